@@ -1,0 +1,26 @@
+"""The ``dpvr`` command line: ``dpvr experiment|account|calibrate|bench|audit``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import account, bench
+
+    parser = argparse.ArgumentParser(prog="dpvr", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for module in (account, bench):
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, RuntimeError) as err:
+        print(f"dpvr {args.command}: error: {err}", file=sys.stderr)
+        return 2

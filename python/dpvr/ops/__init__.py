@@ -1,0 +1,33 @@
+"""Typed, zero-copy wrappers over the native kernels (layer ``ops``: imports nothing above it)."""
+
+from .. import _C
+from .kernels import (
+    NONFINITE_POLICIES,
+    add_noise,
+    clip_accumulate,
+    clip_accumulate_diff,
+    noisy_update,
+    per_sample_norms,
+    philox_words,
+)
+from .noise import NoiseGenerator, NoiseKey, PredictableNoiseWarning
+
+
+def backends() -> dict[str, bool]:
+    """Which native backends this build has and can use now."""
+    return {"cpu": True, "cuda_compiled": bool(_C.cuda_compiled()), "cuda_available": bool(_C.cuda_available())}
+
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NoiseGenerator",
+    "NoiseKey",
+    "PredictableNoiseWarning",
+    "add_noise",
+    "backends",
+    "clip_accumulate",
+    "clip_accumulate_diff",
+    "noisy_update",
+    "per_sample_norms",
+    "philox_words",
+]

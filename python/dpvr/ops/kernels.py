@@ -1,0 +1,277 @@
+"""Typed wrappers over the native kernels (``dpvr._C``).
+
+Every function takes lists of arrays (one per parameter tensor; torch, numpy or cupy, CPU or CUDA), checks
+them, and runs one fused kernel on the arrays' memory. On CUDA the work is queued on the caller's current
+stream and nothing waits for it: values the kernels produce for the host (non-finite counts, step norms) are
+returned as one-element device arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _C
+from .arrays import CPU, ArrayView, as_matrix, cuda_stream, view
+from .noise import NoiseGenerator
+
+Array = Any  # torch.Tensor | numpy.ndarray | cupy.ndarray
+NONFINITE_POLICIES = {"zero": 0, "raise": 1}
+
+
+def _as_list(arrays: Array | Sequence[Array], name: str) -> list[Array]:
+    if isinstance(arrays, (list, tuple)):
+        if not arrays:
+            raise ValueError(f"{name}: at least one tensor is required")
+        return list(arrays)
+    return [arrays]
+
+
+class _Call:
+    """Collects the arrays of one kernel call and checks that they agree on dtype and device."""
+
+    def __init__(self) -> None:
+        self.dtype: str | None = None
+        self.device: int | None = None
+        self.framework = "numpy"
+        self.keep: list[ArrayView] = []
+
+    def add(self, a: Array, name: str, *, writable: bool = False) -> ArrayView:
+        v = view(a, name)
+        if v.dtype not in ("float32", "float64"):
+            raise TypeError(f"{name}: dtype must be float32 or float64, got {v.dtype}")
+        if self.dtype is None:
+            self.dtype, self.device, self.framework = v.dtype, v.device, v.framework
+        elif v.dtype != self.dtype:
+            raise TypeError(f"{name}: dtype {v.dtype} differs from the other arrays' {self.dtype}")
+        elif v.device != self.device:
+            raise ValueError(f"{name}: on {_device_name(v.device)}, the other arrays are on {_device_name(self.device)}")
+        if writable and not v.writable:
+            raise ValueError(f"{name}: array is read-only")
+        self.keep.append(v)
+        return v
+
+    def matrix(self, a: Array, name: str) -> tuple[int, int, int, int, int]:
+        v, desc = as_matrix(self.add(a, name))
+        self.keep.append(v)
+        return desc
+
+    def vector(self, a: Array, name: str, size: int | None = None, *, writable: bool = False) -> tuple[int, int]:
+        v = self.add(a, name, writable=writable)
+        if not v.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
+        if size is not None and v.size != size:
+            raise ValueError(f"{name}: expected {size} elements, got {v.size} (shape {v.shape})")
+        return v.address, v.size
+
+    def per_sample(self, a: Array | None, name: str, batch: int, *, writable: bool = False) -> int:
+        if a is None:
+            return 0
+        v = self.add(a, name, writable=writable)
+        if len(v.shape) != 1 or v.shape[0] != batch:
+            raise ValueError(f"{name}: expected shape ({batch},), got {v.shape}")
+        if v.strides[0] != 1 and batch > 1:
+            raise ValueError(f"{name}: must be contiguous")
+        return v.address
+
+    @property
+    def stream(self) -> int:
+        return cuda_stream(self.device, self.framework)
+
+    def scalar_buffer(self, dtype: str) -> tuple[Any, int]:
+        """A one-element array on the call's device for a value the kernel writes (no host sync)."""
+        if self.device == CPU:
+            buf = np.zeros(1, dtype=dtype)
+            return buf, buf.ctypes.data
+        if self.framework == "cupy":
+            import cupy
+
+            buf = cupy.zeros(1, dtype=dtype)
+            return buf, buf.data.ptr
+        import torch
+
+        buf = torch.zeros(1, dtype=getattr(torch, dtype), device=f"cuda:{self.device}")
+        return buf, buf.data_ptr()
+
+
+def _device_name(device: int | None) -> str:
+    return "the host" if device == CPU else f"cuda:{device}"
+
+
+def _batch_of(grads: list[Array], name: str) -> int:
+    shape = getattr(grads[0], "shape", ())
+    if len(shape) == 0:
+        raise ValueError(f"{name}[0]: per-sample arrays need a leading batch dimension")
+    batch = int(shape[0])
+    if batch == 0:
+        raise ValueError(f"{name}: the batch is empty")
+    return batch
+
+
+def _clip(
+    grads: Array | Sequence[Array],
+    grads_prev: Array | Sequence[Array] | None,
+    clip: float,
+    out: Array | Sequence[Array] | None,
+    first: Array | None,
+    second: Array | None,
+    norms: Array | None,
+    nonfinite: str,
+    names: tuple[str, str],
+) -> Any:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite: must be one of {sorted(NONFINITE_POLICIES)}, got {nonfinite!r}")
+    call = _Call()
+    g = _as_list(grads, "grads")
+    batch = _batch_of(g, "grads")
+    g_desc = [call.matrix(a, f"grads[{k}]") for k, a in enumerate(g)]
+    h_desc = []
+    if grads_prev is not None:
+        h = _as_list(grads_prev, "grads_prev")
+        if len(h) != len(g):
+            raise ValueError(f"grads_prev: expected {len(g)} tensors, got {len(h)}")
+        h_desc = [call.matrix(a, f"grads_prev[{k}]") for k, a in enumerate(h)]
+    o_desc = []
+    if out is not None:
+        o = _as_list(out, "out")
+        if len(o) != len(g):
+            raise ValueError(f"out: expected {len(g)} tensors, got {len(o)}")
+        o_desc = [call.vector(a, f"out[{k}]", gd[2], writable=True) for k, (a, gd) in enumerate(zip(o, g_desc))]
+    w = call.per_sample(first, names[0], batch)
+    b = call.per_sample(second, names[1], batch)
+    n = call.per_sample(norms, "norms", batch, writable=True)
+    count, count_address = (None, 0) if call.device == CPU else call.scalar_buffer("int64")
+    result = _C.clip_accumulate(
+        call.device, 0 if call.dtype == "float32" else 1, batch, g_desc, h_desc, o_desc, w, b, n, float(clip),
+        NONFINITE_POLICIES[nonfinite], call.stream, count_address,
+    )
+    return result if count is None else count
+
+
+def clip_accumulate(
+    grads: Array | Sequence[Array],
+    clip: float,
+    out: Array | Sequence[Array],
+    *,
+    weights: Array | None = None,
+    norms: Array | None = None,
+    nonfinite: str = "zero",
+) -> Any:
+    """``out[k] += sum_i c_i * w_i * grads[k][i]`` with ``c_i = min(1, C / ||w_i g_i||)``.
+
+    The norm of sample i runs over all K tensors (the global per-sample gradient norm), so each sample's total
+    contribution has L2 norm at most ``clip`` — also after rounding to the output dtype. ``weights`` (shape
+    ``(B,)``) scale samples *before* the norm (DRO re-weighting). ``norms`` receives ``||w_i g_i||``.
+
+    Non-finite samples (NaN/Inf in the gradient or weight): ``nonfinite="zero"`` drops them (their norm is
+    reported as NaN), ``"raise"`` raises ``FloatingPointError`` before writing anything.
+
+    Returns the number of non-finite samples (an int on the host; a one-element int64 array on CUDA).
+    """
+    return _clip(grads, None, clip, out, weights, None, norms, nonfinite, ("weights", "b"))
+
+
+def clip_accumulate_diff(
+    grads: Array | Sequence[Array],
+    grads_prev: Array | Sequence[Array],
+    clip: float,
+    out: Array | Sequence[Array],
+    *,
+    a: Array | None = None,
+    b: Array | None = None,
+    norms: Array | None = None,
+    nonfinite: str = "zero",
+) -> Any:
+    """Clipped sum of same-sample differences ``u_i = a_i * grads[i] - b_i * grads_prev[i]``.
+
+    The difference is formed per sample before clipping (never the difference of clipped terms), so sample
+    i's contribution has norm at most ``clip``. Otherwise as :func:`clip_accumulate`.
+    """
+    return _clip(grads, grads_prev, clip, out, a, b, norms, nonfinite, ("a", "b"))
+
+
+def per_sample_norms(
+    grads: Array | Sequence[Array],
+    norms: Array,
+    *,
+    grads_prev: Array | Sequence[Array] | None = None,
+    weights: Array | None = None,
+    b: Array | None = None,
+) -> Any:
+    """Writes ``||w_i g_i||`` (or ``||a_i g_i - b_i h_i||`` with ``grads_prev``; ``weights`` is ``a``) into
+    ``norms``; NaN marks a non-finite sample. Returns the non-finite count as :func:`clip_accumulate`."""
+    return _clip(grads, grads_prev, 1.0, None, weights, b, norms, "zero", ("weights", "b"))
+
+
+def noisy_update(
+    v: Array | Sequence[Array],
+    *,
+    generator: NoiseGenerator,
+    stream: str,
+    sigma: float,
+    sum: Array | Sequence[Array] | None = None,  # noqa: A002 - the estimator's name for it
+    scale: float = 1.0,
+    reset: bool = False,
+    params: Array | Sequence[Array] | None = None,
+    params_prev: Array | Sequence[Array] | None = None,
+    lr: float = 0.0,
+) -> Any:
+    """The noisy recursive estimator and parameter step, fused in one pass:
+
+    ``v <- (0 if reset else v) + scale * sum + sigma * xi`` with ``xi ~ N(0, I)`` drawn from ``generator``'s
+    stream ``stream`` (one draw: the stream's step counter advances by one), then, when ``params`` is given,
+    ``params_prev <- params`` (if given) and ``params <- params - lr * v``.
+
+    Returns ``||params_new - params_old||`` (a float on the host, a one-element float64 array on CUDA), or
+    ``None`` without ``params``. That norm is a function of released iterates only, which is what lets a
+    difference round use it as its next clip radius.
+    """
+    call = _Call()
+    vs = _as_list(v, "v")
+    v_desc = [call.vector(a, f"v[{k}]", writable=True) for k, a in enumerate(vs)]
+    sizes = [d[1] for d in v_desc]
+
+    def vectors(arrays: Any, name: str, writable: bool) -> list[tuple[int, int]]:
+        if arrays is None:
+            return []
+        lst = _as_list(arrays, name)
+        if len(lst) != len(vs):
+            raise ValueError(f"{name}: expected {len(vs)} tensors, got {len(lst)}")
+        return [call.vector(a, f"{name}[{k}]", n, writable=writable) for k, (a, n) in enumerate(zip(lst, sizes))]
+
+    s_desc = vectors(sum, "sum", False)
+    x_desc = vectors(params, "params", True)
+    p_desc = vectors(params_prev, "params_prev", True)
+    if params_prev is not None and params is None:
+        raise ValueError("params_prev: given without params")
+    if not isinstance(generator, NoiseGenerator):
+        raise TypeError(f"generator: expected a NoiseGenerator, got {type(generator).__name__}")
+    for name, value in (("sigma", sigma), ("scale", scale), ("lr", lr)):
+        if not np.isfinite(value):
+            raise ValueError(f"{name}: must be finite, got {value}")
+    if sigma < 0:
+        raise ValueError(f"sigma: must be >= 0, got {sigma}")
+    norm, norm_address = call.scalar_buffer("float64") if params is not None else (None, 0)
+    key = generator.next_key(stream) if sigma > 0 else None
+    _C.noisy_update(
+        call.device, 0 if call.dtype == "float32" else 1, v_desc, s_desc, x_desc, p_desc, float(scale),
+        float(sigma), float(lr), bool(reset), key.seed if key else 0, key.stream if key else 0,
+        key.step if key else 0, norm_address, call.stream,
+    )
+    if norm is None:
+        return None
+    return float(norm[0]) if call.device == CPU else norm
+
+
+def add_noise(out: Array | Sequence[Array], sigma: float, *, generator: NoiseGenerator, stream: str) -> None:
+    """``out += sigma * xi``, ``xi ~ N(0, I)`` from one draw of ``generator``'s stream ``stream``."""
+    noisy_update(out, generator=generator, stream=stream, sigma=sigma)
+
+
+def philox_words(n_blocks: int, seed: int, stream: int, step: int) -> np.ndarray:
+    """Raw Philox-4x32-10 output (4 words per block) on the host, as the Gaussian transform consumes it."""
+    out = np.empty(4 * n_blocks, dtype=np.uint32)
+    _C.philox_words(CPU, out.ctypes.data, n_blocks, seed, stream, step, 0)
+    return out

@@ -1,0 +1,106 @@
+"""Counter-based Gaussian noise: a seed, named streams, and per-stream step counters.
+
+Every noise draw is addressed by (seed, stream, step, element) through Philox-4x32-10, so the CPU and CUDA
+backends produce the same numbers, independent noise sources never share randomness, and a run can be resumed
+exactly from the generator's state.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+_MAX_STREAMS = 2**32
+_MAX_STEPS = 2**32
+
+
+class PredictableNoiseWarning(UserWarning):
+    """A fixed seed was given: anyone who knows it can subtract the noise and void the privacy guarantee."""
+
+
+@dataclass(frozen=True)
+class NoiseKey:
+    """Address of one noise draw: the generator's seed, a stream id and the step within that stream."""
+
+    seed: int
+    stream: int
+    step: int
+
+
+class NoiseGenerator:
+    """Source of Gaussian noise for DP mechanisms.
+
+    Args:
+        seed: 64-bit key. ``None`` (the default) draws it from the operating system's CSPRNG, which is what
+            a private run needs. A fixed seed makes the noise reproducible *and predictable*.
+        reproducible: set to ``True`` to acknowledge that a fixed seed is intended (tests, debugging,
+            experiments that must be replayed); otherwise a fixed seed warns.
+
+    Privacy note: the generator's state contains the seed. A checkpoint holding it must be protected like the
+    training data, since the seed lets anyone regenerate and remove the noise.
+    """
+
+    def __init__(self, seed: int | None = None, *, reproducible: bool = False) -> None:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        else:
+            if not isinstance(seed, int) or not 0 <= seed < 2**64:
+                raise ValueError(f"seed: must be an integer in [0, 2**64), got {seed!r}")
+            if not reproducible:
+                warnings.warn(
+                    "NoiseGenerator(seed=...) makes the privacy noise predictable to anyone who knows the seed; "
+                    "pass reproducible=True if that is intended",
+                    PredictableNoiseWarning,
+                    stacklevel=2,
+                )
+        self._seed = seed
+        self._streams: dict[str, list[int]] = {}  # name -> [stream id, next step]
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    def stream_id(self, name: str) -> int:
+        """The id of stream ``name``; ids are assigned in order of first use."""
+        if name not in self._streams:
+            if len(self._streams) >= _MAX_STREAMS:
+                raise RuntimeError("NoiseGenerator: too many streams")
+            self._streams[name] = [len(self._streams), 0]
+        return self._streams[name][0]
+
+    def next_key(self, name: str) -> NoiseKey:
+        """Reserves the next draw of stream ``name`` and returns its address."""
+        self.stream_id(name)
+        entry = self._streams[name]
+        if entry[1] >= _MAX_STEPS:
+            raise RuntimeError(f"NoiseGenerator: stream '{name}' has used all {_MAX_STEPS} steps")
+        key = NoiseKey(self._seed, entry[0], entry[1])
+        entry[1] += 1
+        return key
+
+    def steps(self, name: str) -> int:
+        """How many draws stream ``name`` has made."""
+        return self._streams.get(name, [0, 0])[1]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "streams": {k: list(v) for k, v in self._streams.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            seed = int(state["seed"])
+            streams = {str(k): [int(v[0]), int(v[1])] for k, v in state["streams"].items()}
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise ValueError(f"state: not a NoiseGenerator state ({err})") from None
+        ids = sorted(v[0] for v in streams.values())
+        if not 0 <= seed < 2**64 or ids != list(range(len(ids))) or any(v[1] < 0 for v in streams.values()):
+            raise ValueError("state: corrupt NoiseGenerator state (seed range, stream ids or step counters)")
+        self._seed, self._streams = seed, streams
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> NoiseGenerator:
+        gen = cls.__new__(cls)
+        gen._seed, gen._streams = 0, {}
+        gen.load_state_dict(state)
+        return gen
