@@ -101,7 +101,7 @@ def _device_name(device: int | None) -> str:
 
 
 def _batch_of(grads: list[Array], name: str) -> int:
-    shape = getattr(grads[0], "shape", ())
+    shape = view(grads[0], f"{name}[0]").shape
     if len(shape) == 0:
         raise ValueError(f"{name}[0]: per-sample arrays need a leading batch dimension")
     batch = int(shape[0])
