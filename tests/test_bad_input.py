@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 CASES = textwrap.dedent(
-    r'''
+    r"""
     import numpy as np, torch, dpvr
 
     g = [np.ones((4, 3)), np.ones((4, 2))]
@@ -61,12 +61,16 @@ CASES = textwrap.dedent(
         else:
             failures.append(f"{name}: did not raise")
     print("\n".join(failures) if failures else f"ok {len(cases)}")
-    '''
+    """
 )
 
 
 def test_bad_input_raises_clear_errors_without_crashing():
     env = dict(os.environ)
-    result = subprocess.run([sys.executable, "-c", CASES], capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0, f"child interpreter died (code {result.returncode}):\n{result.stderr[-2000:]}"
+    result = subprocess.run(
+        [sys.executable, "-c", CASES], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, (
+        f"child interpreter died (code {result.returncode}):\n{result.stderr[-2000:]}"
+    )
     assert result.stdout.startswith("ok"), result.stdout

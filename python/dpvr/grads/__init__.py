@@ -1,0 +1,15 @@
+"""Per-sample gradients for the DP algorithms.
+
+:func:`per_sample_grads` materialises one gradient per sample (``B × d`` memory);
+:func:`per_sample_grads_at_two_points` does so at two parameter points for gradient-difference estimators.
+"""
+
+from .materialized import (
+    Grads,
+    LossFn,
+    per_sample_grads,
+    per_sample_grads_at_two_points,
+    trainable_parameters,
+)
+
+__all__ = ["Grads", "LossFn", "per_sample_grads", "per_sample_grads_at_two_points", "trainable_parameters"]
