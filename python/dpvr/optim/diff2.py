@@ -1,0 +1,255 @@
+"""DIFF2 (Murata & Suzuki, ICML 2023): DP optimisation with a restarted gradient-difference estimator."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import ops
+from ..privacy import events
+from .base import LossFn, PrivateAlgorithm, global_norm
+from .gradients import ClippedGradients
+from .sampling import BatchSampler
+
+ROUTINES = ("gd", "bvr-l-sgd")
+
+
+class DIFF2(PrivateAlgorithm):
+    """DIFF2 with the GD routine (DIFF2-GD, Algorithms 1 and 3) or the BVR-L-SGD routine (Algorithm 4).
+
+    ``clients`` is a list of ``(inputs, targets)`` shards, one per client; the objective is the unweighted
+    mean of the clients' empirical risks. Round ``r`` (1-based):
+
+    - restart rounds (``(r - 1) % restart == 0``): every client sends its full-batch mean of per-sample
+      gradients at ``x_{r-1}`` clipped to ``clip1``; the server averages them, resets the estimator to that
+      average plus ``N(0, (sigma1 * clip1)^2 I)``;
+    - difference rounds: each client sends the mean of per-sample differences
+      ``grad l(x_{r-1}; z) - grad l(x_{r-2}; z)`` (same sample) clipped to ``C_r = clip2 * ||x_{r-1} - x_{r-2}||``;
+      the server adds the average and ``N(0, (sigma2 * C_r)^2 I)`` to the previous estimate;
+    - routine ``"gd"``: ``x_r = x_{r-1} - lr * v_r``; routine ``"bvr-l-sgd"``: that step, then ``local_steps - 1``
+      noisy minibatch difference steps on client ``r mod P`` (``local_batch`` records without replacement,
+      radius ``clip3 * ||x_{k-1} - x_{k-2}||``, noise ``sigma3`` times the radius).
+
+    Privacy (record-level, replace-one, w.r.t. each client's data; Prop. 4.1 / E.2): the clip radii are
+    functions of released iterates only and every noise std scales with its radius, so each round is a
+    Gaussian release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for local
+    steps). All streams are recorded in one accountant as they happen. Give the ``sigma`` values, or
+    ``epsilon`` to calibrate them jointly (``calibration="tight"``) or by Proposition 4.1 (``"paper"``, with
+    ``u``).
+
+    Output: the last iterate (the model's parameters); ``output="random"`` (GD routine) keeps the paper's
+    uniformly random iterate ``x_{r-1}``, ``r ~ Unif[R]``, in :attr:`output_params`.
+    """
+
+    name = "DIFF2"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        clients: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        lr: float,
+        rounds: int,
+        restart: int,
+        clip1: float,
+        clip2: float,
+        sigma1: float | None = None,
+        sigma2: float | None = None,
+        routine: str = "gd",
+        local_steps: int = 1,
+        local_batch: int | None = None,
+        clip3: float | None = None,
+        sigma3: float | None = None,
+        epsilon: float | None = None,
+        delta: float = 1e-5,
+        calibration: str = "tight",
+        u: float = 1.25,
+        output: str = "last",
+        accountant: str = "rdp",
+        generator: ops.NoiseGenerator | None = None,
+        sampler_seed: int | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("clients: at least one (inputs, targets) shard is required")
+        for p, (x, y) in enumerate(clients):
+            if len(x) == 0 or len(x) != len(y):
+                raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
+        if routine not in ROUTINES:
+            raise ValueError(f"routine: must be one of {ROUTINES}, got {routine!r}")
+        if routine == "gd" and local_steps != 1:
+            raise ValueError("local_steps: the GD routine takes one step per round")
+        if routine == "bvr-l-sgd" and (local_steps < 2 or local_batch is None or clip3 is None):
+            raise ValueError("routine 'bvr-l-sgd' needs local_steps >= 2, local_batch and clip3")
+        if output not in ("last", "random") or (output == "random" and routine != "gd"):
+            raise ValueError("output: 'last', or 'random' with the GD routine")
+        for name, value in (("clip1", clip1), ("clip2", clip2), ("clip3", clip3 or 1.0), ("lr", lr)):
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        n_min = min(len(x) for x, _ in clients)
+        plan = events.DIFF2(
+            n=n_min,
+            clients=len(clients),
+            rounds=rounds,
+            restart=restart,
+            local_steps=local_steps,
+            local_batch=local_batch,
+        )
+        given = {"restart": sigma1, "difference": sigma2, "local": sigma3}
+        noise = None
+        if any(given[s] is not None for s in plan.streams):
+            if any(given[s] is None for s in plan.streams):
+                raise ValueError(f"give every sigma of {plan.streams} or none (to calibrate from epsilon)")
+            noise = {s: plan.noise_multiplier(given[s], s) for s in plan.streams}
+        options = {"u": u} if calibration == "paper" and routine == "gd" else {}
+        super().__init__(
+            model,
+            loss_fn,
+            plan=plan,
+            delta=delta,
+            epsilon=epsilon,
+            noise=noise,
+            calibration=calibration,
+            accountant=accountant,
+            generator=generator,
+            **options,
+        )
+        self.sigma = {s: plan.sigma(z, s) for s, z in self.noise.items()}
+        self.clients = list(clients)
+        self.lr, self.rounds, self.restart = float(lr), int(rounds), int(restart)
+        self.clip1, self.clip2, self.clip3 = float(clip1), float(clip2), clip3
+        self.routine, self.local_steps, self.output = routine, local_steps, output
+        self.gradients = ClippedGradients(model, loss_fn, chunk_size=chunk_size)
+        zeros = lambda: [torch.zeros_like(f) for f in self.flat]  # noqa: E731
+        self._v, self._agg, self._tmp = zeros(), zeros(), zeros()
+        self._prev = [p.detach().clone() for p in self.params]  # x_{r-2} at the start of round r
+        self._prev_flat = [t.view(-1) for t in self._prev]
+        self._move = 0.0  # ||x_{r-1} - x_{r-2}||: a function of released iterates
+        self.samplers = (
+            [
+                BatchSampler("wor", len(x), local_batch, None if sampler_seed is None else sampler_seed + p)
+                for p, (x, _) in enumerate(clients)
+            ]
+            if routine == "bvr-l-sgd"
+            else []
+        )
+        if routine == "bvr-l-sgd":
+            self._local_v, self._local_prev = zeros(), [t.clone() for t in self._prev]
+            self._local_prev_flat = [t.view(-1) for t in self._local_prev]
+        rng = np.random.default_rng(sampler_seed)
+        self._output_round = int(rng.integers(1, rounds + 1)) if output == "random" else None
+        self.output_params = [p.detach().clone() for p in self.params] if output == "random" else None
+
+    @property
+    def total_steps(self) -> int:
+        return self.rounds
+
+    def _server_round(self, restart: bool) -> tuple[float, int]:
+        radius = self.clip1 if restart else self.clip2 * self._move
+        stream = "restart" if restart else "difference"
+        admitted = self._admit(stream)
+        for a in self._agg:
+            a.zero_()
+        dropped = 0
+        if radius > 0:  # a zero radius means x did not move: every difference is exactly zero
+            for x, y in self.clients:
+                for t in self._tmp:
+                    t.zero_()
+                if restart:
+                    dropped += self.gradients.sum(x, y, radius, self._tmp)
+                else:
+                    dropped += self.gradients.diff_sum(x, y, self.params, self._prev, radius, self._tmp)
+                for a, t in zip(self._agg, self._tmp):
+                    a.add_(t, alpha=1.0 / (len(x) * len(self.clients)))
+        self._move = ops.noisy_update(
+            self._v,
+            sum=self._agg,
+            sigma=self.sigma[stream] * radius,
+            reset=restart,
+            generator=self.generator,
+            stream=stream,
+            params=self.flat,
+            params_prev=self._prev_flat,
+            lr=self.lr,
+        )
+        self._record(admitted)
+        return radius, dropped
+
+    def _local_steps(self, r: int) -> int:
+        """BVR-L-SGD steps k = 2..K on client r mod P, from x_{1,r-1} with the server estimate."""
+        client = r % len(self.clients)
+        x, y = self.clients[client]
+        sampler, b = self.samplers[client], self.samplers[client].batch_size
+        for mine, v in zip(self._local_v, self._v):
+            mine.copy_(v)
+        for mine, prev in zip(self._local_prev, self._prev):
+            mine.copy_(prev)
+        move, dropped = self._move, 0
+        for _ in range(2, self.local_steps + 1):
+            radius = self.clip3 * move
+            admitted = self._admit("local")
+            for t in self._tmp:
+                t.zero_()
+            if radius > 0:
+                batch = torch.as_tensor(sampler.draw(), dtype=torch.long)
+                dropped += self.gradients.diff_sum(
+                    x[batch], y[batch], self.params, self._local_prev, radius, self._tmp
+                )
+            move = ops.noisy_update(
+                self._local_v,
+                sum=self._tmp,
+                scale=1.0 / b,
+                sigma=self.sigma["local"] * radius,
+                generator=self.generator,
+                stream="local",
+                params=self.flat,
+                params_prev=self._local_prev_flat,
+                lr=self.lr,
+            )
+            self._record(admitted)
+        # The next round's radius spans the whole local trajectory: ||x_{K,r-1} - x_{0,r-1}||.
+        self._move = global_norm([p.detach() - q for p, q in zip(self.params, self._prev)])
+        return dropped
+
+    def step(self) -> dict[str, float]:
+        r = self.steps_done + 1
+        if r > self.rounds:
+            raise RuntimeError(f"{self.name}: all {self.rounds} planned rounds have run")
+        if self._output_round == r:
+            for o, p in zip(self.output_params, self.params):
+                o.copy_(p.detach())
+        restart = (r - 1) % self.restart == 0
+        radius, dropped = self._server_round(restart)
+        if self.routine == "bvr-l-sgd":
+            dropped += self._local_steps(r)
+        self.steps_done = r
+        return {
+            "round": r,
+            "restart": float(restart),
+            "radius": radius,
+            "move": self._move,
+            "nonfinite": dropped,
+        }
+
+    def _buffers(self) -> dict[str, list[torch.Tensor]]:
+        buffers = {"v": self._v, "prev": self._prev}
+        if self.output_params is not None:
+            buffers["output"] = self.output_params
+        return buffers
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "move": self._move,
+            "output_round": self._output_round,
+            "samplers": [s.state_dict() for s in self.samplers],
+        }
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._move, self._output_round = float(state["move"]), state["output_round"]
+        for s, st in zip(self.samplers, state["samplers"]):
+            s.load_state_dict(st)

@@ -1,0 +1,218 @@
+"""DIFF2 and DP-GD: reductions to known algorithms, sensitivity, accounting, checkpoints, budget."""
+
+import pytest
+import torch
+
+import dpvr
+from dpvr.optim import DIFF2, DPGD, BudgetExhaustedError
+from dpvr.optim.base import global_norm
+
+TINY = 1e-100  # noise this small is absorbed by float64 rounding: the run is noise-free
+
+
+def model_fn():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Softplus(), torch.nn.Linear(10, 1)).double()
+
+
+def loss(output, target):
+    return 0.5 * (output.squeeze() - target) ** 2
+
+
+@pytest.fixture
+def clients():
+    g = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(60, 5, generator=g, dtype=torch.float64),
+        torch.randn(60, generator=g, dtype=torch.float64),
+    )
+    return [(x[i * 20 : (i + 1) * 20], y[i * 20 : (i + 1) * 20]) for i in range(3)]
+
+
+def gen(seed=0):
+    return dpvr.NoiseGenerator(seed=seed, reproducible=True)
+
+
+def test_noise_free_diff2_gd_is_gradient_descent(clients):
+    model = model_fn()
+    alg = DIFF2(
+        model,
+        loss,
+        clients,
+        lr=0.1,
+        rounds=12,
+        restart=5,
+        clip1=1e6,
+        clip2=1e6,
+        sigma1=TINY,
+        sigma2=TINY,
+        generator=gen(),
+    )
+    alg.run(progress=False)
+    ref = model_fn()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(12):
+        opt.zero_grad()
+        total = sum(loss(ref(x), y).mean() for x, y in clients) / len(clients)
+        total.backward()
+        opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_restart_every_round_is_dp_gd(clients):
+    """T = 1: every round is a restart, i.e. DP-GD on the pooled data (equal shards), same noise draws."""
+    n_total = sum(len(x) for x, _ in clients)
+    diff2 = DIFF2(
+        model_fn(),
+        loss,
+        clients,
+        lr=0.2,
+        rounds=6,
+        restart=1,
+        clip1=0.5,
+        clip2=1.0,
+        sigma1=0.3,
+        sigma2=0.3,
+        generator=gen(4),
+    )
+    diff2.run(progress=False)
+    x = torch.cat([c[0] for c in clients])
+    y = torch.cat([c[1] for c in clients])
+    dpgd = DPGD(
+        model_fn(), loss, x, y, lr=0.2, clip=0.5, steps=6, noise_multiplier=0.3 * n_total, generator=gen(4)
+    )
+    dpgd.run(progress=False)
+    for a, b in zip(diff2.params, dpgd.params):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert diff2.privacy_spent().epsilon == pytest.approx(dpgd.privacy_spent().epsilon, rel=1e-9)
+
+
+def neighbour(clients):
+    """Replace one record of client 0 by an outlier."""
+    x, y = clients[0][0].clone(), clients[0][1].clone()
+    x[3], y[3] = 50.0, -80.0
+    return [(x, y), *clients[1:]]
+
+
+@pytest.mark.parametrize("routine", ["gd", "bvr-l-sgd"])
+def test_server_estimate_sensitivity(clients, routine):
+    """With noise off, one record moves the aggregated estimate by at most 2 C / (n P) in every round."""
+    options = dict(
+        lr=0.3, rounds=4, restart=3, clip1=0.7, clip2=2.0, sigma1=TINY, sigma2=TINY, generator=gen()
+    )
+    if routine == "bvr-l-sgd":
+        options.update(routine=routine, local_steps=3, local_batch=5, clip3=1.0, sigma3=TINY, sampler_seed=1)
+    a, b = DIFF2(model_fn(), loss, clients, **options), DIFF2(model_fn(), loss, neighbour(clients), **options)
+    n, p = 20, 3
+    for _ in range(4):
+        b.load_state_dict(a.state_dict())  # condition on the same released history
+        info_a, info_b = a.step(), b.step()
+        assert info_a["radius"] == info_b["radius"]
+        bound = 2 * info_a["radius"] / (n * p)
+        delta = global_norm([va - vb for va, vb in zip(a._v, b._v)])
+        assert 0 < delta <= bound * (1 + 1e-9), (a.steps_done, delta, bound)
+
+
+def test_checkpoint_resume_gives_the_same_iterates(clients):
+    options = dict(
+        lr=0.2,
+        rounds=8,
+        restart=3,
+        clip1=0.5,
+        clip2=1.0,
+        sigma1=0.01,
+        sigma2=0.02,
+        routine="bvr-l-sgd",
+        local_steps=3,
+        local_batch=4,
+        clip3=1.0,
+        sigma3=0.05,
+        sampler_seed=3,
+    )
+    full = DIFF2(model_fn(), loss, clients, generator=gen(7), **options)
+    full.run(progress=False)
+    first = DIFF2(model_fn(), loss, clients, generator=gen(7), **options)
+    first.run(4, progress=False)
+    state = first.state_dict()
+    resumed = DIFF2(model_fn(), loss, clients, generator=gen(99), **options)
+    resumed.load_state_dict(state)
+    resumed.run(progress=False)
+    for a, b in zip(full.params, resumed.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert resumed.privacy_spent().epsilon == pytest.approx(full.privacy_spent().epsilon, rel=1e-12)
+    bad = dict(state, params=[p[:1] for p in state["params"]])
+    with pytest.raises(ValueError, match="state"):
+        resumed.load_state_dict(bad)
+
+
+def test_budget_guard_refuses_the_step_that_would_exceed(clients):
+    alg = DIFF2(
+        model_fn(),
+        loss,
+        clients,
+        lr=0.1,
+        rounds=40,
+        restart=5,
+        clip1=1.0,
+        clip2=1.0,
+        sigma1=0.3,
+        sigma2=0.3,
+        epsilon=1.0,
+        delta=1e-5,
+    )
+    with pytest.raises(BudgetExhaustedError, match="spent so far"):
+        alg.run(progress=False)
+    assert 0 < alg.steps_done < 40
+    assert alg.privacy_spent().epsilon <= 1.0
+    before = [p.clone() for p in alg.params]
+    with pytest.raises(BudgetExhaustedError):
+        alg.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, alg.params))  # nothing was released
+
+
+def test_calibrated_run_spends_its_target(clients):
+    for calibration in ("tight", "paper"):
+        alg = DIFF2(
+            model_fn(),
+            loss,
+            clients,
+            lr=0.1,
+            rounds=20,
+            restart=5,
+            clip1=1.0,
+            clip2=1.0,
+            epsilon=3.0,
+            delta=1e-5,
+            calibration=calibration,
+        )
+        alg.run(progress=False)
+        spent = alg.privacy_spent().epsilon
+        assert spent <= 3.0 * (1 + 1e-6)
+        if calibration == "tight":
+            assert spent == pytest.approx(3.0, rel=1e-3)
+
+
+def test_bad_arguments(clients):
+    with pytest.raises(ValueError, match="clip1"):
+        DIFF2(
+            model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=0.0, clip2=1.0, sigma1=1, sigma2=1
+        )
+    with pytest.raises(ValueError, match="routine"):
+        DIFF2(
+            model_fn(),
+            loss,
+            clients,
+            lr=0.1,
+            rounds=5,
+            restart=2,
+            clip1=1,
+            clip2=1,
+            sigma1=1,
+            sigma2=1,
+            routine="adam",
+        )
+    with pytest.raises(ValueError, match="sigma"):
+        DIFF2(model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=1, clip2=1, sigma1=1.0)
+    with pytest.raises(ValueError, match="clients"):
+        DIFF2(model_fn(), loss, [], lr=0.1, rounds=5, restart=2, clip1=1, clip2=1, sigma1=1, sigma2=1)
