@@ -28,16 +28,17 @@ class DIFF2(PrivateAlgorithm):
       gradients at ``x_{r-1}`` clipped to ``clip1``; the server averages them, resets the estimator to that
       average plus ``N(0, (sigma1 * clip1)^2 I)``;
     - difference rounds: each client sends the mean of per-sample differences
-      ``grad l(x_{r-1}; z) - grad l(x_{r-2}; z)`` (same sample) clipped to ``C_r = clip2 * ||x_{r-1} - x_{r-2}||``;
-      the server adds the average and ``N(0, (sigma2 * C_r)^2 I)`` to the previous estimate;
-    - routine ``"gd"``: ``x_r = x_{r-1} - lr * v_r``; routine ``"bvr-l-sgd"``: that step, then ``local_steps - 1``
-      noisy minibatch difference steps on client ``r mod P`` (``local_batch`` records without replacement,
-      radius ``clip3 * ||x_{k-1} - x_{k-2}||``, noise ``sigma3`` times the radius).
+      ``grad l(x_{r-1}; z) - grad l(x_{r-2}; z)`` (same sample) clipped to
+      ``C_r = clip2 * ||x_{r-1} - x_{r-2}||``; the server adds the average and ``N(0, (sigma2 * C_r)^2 I)``
+      to the previous estimate;
+    - routine ``"gd"``: ``x_r = x_{r-1} - lr * v_r``; routine ``"bvr-l-sgd"``: that step, then
+      ``local_steps - 1`` noisy minibatch difference steps on client ``r mod P`` (``local_batch`` records
+      without replacement, radius ``clip3 * ||x_{k-1} - x_{k-2}||``, noise ``sigma3`` times the radius).
 
     Privacy (record-level, replace-one, w.r.t. each client's data; Prop. 4.1 / E.2): the clip radii are
     functions of released iterates only and every noise std scales with its radius, so each round is a
-    Gaussian release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for local
-    steps). All streams are recorded in one accountant as they happen. Give the ``sigma`` values, or
+    Gaussian release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for
+    local steps). All streams are recorded in one accountant as they happen. Give the ``sigma`` values, or
     ``epsilon`` to calibrate them jointly (``calibration="tight"``) or by Proposition 4.1 (``"paper"``, with
     ``u``).
 

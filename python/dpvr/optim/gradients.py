@@ -52,7 +52,7 @@ class ClippedGradients:
         clip: float,
         out: Sequence[torch.Tensor],
     ) -> int:
-        """``out += sum_i clip_C(grad l(point; z_i) - grad l(previous; z_i))`` (same sample at both points)."""
+        """``out += sum_i clip_C(grad l(point; z_i) - grad l(previous; z_i))``, the same sample at both."""
         if len(inputs) == 0:
             return 0
         now, before = per_sample_grads_at_two_points(
