@@ -1,15 +1,19 @@
-"""DP-SGD and DP-GD: noisy clipped gradient steps on sampled batches."""
+"""DP-SGD and DP-GD: noisy clipped gradient steps on sampled or cyclically traversed batches."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import ops
-from ..privacy import events
-from .base import LossFn, PrivateAlgorithm
+from ..privacy import Accountant, events
+from ..privacy.last_iterate import CyclicDPSGD
+from . import prox as proximal
+from .base import BudgetExhaustedError, LossFn, PrivateAlgorithm
 from .gradients import ClippedGradients
 from .sampling import BatchSampler
 
@@ -27,6 +31,16 @@ class DPSGD(PrivateAlgorithm):
     in ``self.accountant``; a step that would exceed ``epsilon`` raises
     :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Give ``noise_multiplier``,
     or ``epsilon`` to calibrate it for the whole ``steps``.
+
+    ``sampling="cyclic"`` is Algorithm 1 of Kong & Ribero: disjoint batches in a fixed order,
+    ``x <- prox_{lr h}(x - lr g + N(0, sigma^2 I))`` with ``h`` given by ``prox`` (:class:`~dpvr.optim.L1`,
+    :class:`~dpvr.optim.ElasticNet`, :class:`~dpvr.optim.L2Ball`), and only the *last iterate* released. It is
+    accounted with the last-iterate bound (Theorems 2.2/2.3; replace-one), which needs the losses to be
+    ``weak_convexity``-weakly convex and ``smoothness``-upper-smooth; step sizes the theorems do not cover
+    are refused. Nothing about intermediate iterates is reported. ``clipping=False`` asserts that no
+    per-example gradient norm ever exceeds ``clip`` (a known Lipschitz bound, e.g. unit-norm features for
+    logistic regression), which gives the much smaller bound of Theorem 2.3 eq. (19); every step verifies
+    the assertion and stops the run (releasing nothing more) if a gradient breaks it.
     """
 
     name = "DP-SGD"
@@ -52,23 +66,43 @@ class DPSGD(PrivateAlgorithm):
         generator: ops.NoiseGenerator | None = None,
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
+        prox: object | None = None,
+        weak_convexity: float | None = None,
+        smoothness: float | None = None,
+        clipping: bool = True,
     ) -> None:
         if len(inputs) != len(targets):
             raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
         if not clip > 0:
             raise ValueError(f"clip: must be > 0, got {clip}")
-        if sampling == "cyclic":
-            raise ValueError("sampling='cyclic' is CyclicDPSGD (last-iterate accounting)")
         n = len(inputs)
         self.sampler = BatchSampler(sampling, n, batch_size, sampler_seed)
-        relation = neighbouring or ("add-remove" if sampling == "poisson" else "replace-one")
-        plan = events.DPSGD(
-            steps=steps,
-            sampling=sampling,
-            batch_size=self.sampler.batch_size,
-            dataset_size=n,
-            neighbouring=relation,
-        )
+        self.last_iterate_only = sampling == "cyclic"
+        if self.last_iterate_only:
+            if weak_convexity is None or smoothness is None:
+                raise ValueError("sampling='cyclic': state weak_convexity (m) and smoothness (M) of the loss")
+            plan = CyclicDPSGD(
+                dataset_size=n,
+                batch_size=self.sampler.batch_size,
+                steps=steps,
+                lr=lr,
+                clip=clip,
+                weak_convexity=weak_convexity,
+                smoothness=smoothness,
+                bound="last-iterate",
+                clipping=clipping,
+                domain_diameter=getattr(prox, "diameter", math.inf),
+            )
+        else:
+            if prox is not None:
+                raise ValueError("prox: only the cyclic last-iterate algorithm takes a proximal term")
+            plan = events.DPSGD(
+                steps=steps,
+                sampling=sampling,
+                batch_size=self.sampler.batch_size,
+                dataset_size=n,
+                neighbouring=neighbouring or ("add-remove" if sampling == "poisson" else "replace-one"),
+            )
         super().__init__(
             model,
             loss_fn,
@@ -81,7 +115,8 @@ class DPSGD(PrivateAlgorithm):
             generator=generator,
         )
         self.inputs, self.targets = inputs, targets
-        self.lr, self.clip, self.steps = float(lr), float(clip), int(steps)
+        self.lr, self.clip, self.steps, self.prox = float(lr), float(clip), int(steps), prox
+        self.clipping = clipping or not self.last_iterate_only
         self.gradients = ClippedGradients(model, loss_fn, chunk_size=chunk_size)
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self._v = [torch.zeros_like(f) for f in self.flat]
@@ -95,7 +130,15 @@ class DPSGD(PrivateAlgorithm):
         batch = torch.as_tensor(self.sampler.draw(), dtype=torch.long)
         for s in self._sum:
             s.zero_()
-        dropped = self.gradients.sum(self.inputs[batch], self.targets[batch], self.clip, self._sum)
+        norms = None if self.clipping else torch.empty(len(batch), dtype=self._sum[0].dtype)
+        dropped = self.gradients.sum(
+            self.inputs[batch], self.targets[batch], self.clip, self._sum, norms=norms
+        )
+        if norms is not None and not bool((norms <= self.clip).all()):
+            raise RuntimeError(
+                f"{self.name}: clipping=False asserted per-example gradient norms <= {self.clip:g}, but a "
+                "gradient exceeded it; the last-iterate bound used does not hold, so the run stops here"
+            )
         b = self.sampler.batch_size
         move = ops.noisy_update(
             self._v,
@@ -108,9 +151,32 @@ class DPSGD(PrivateAlgorithm):
             params=self.flat,
             lr=self.lr,
         )
+        proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
         self.steps_done += 1
-        return {"step": self.steps_done, "batch": len(batch), "nonfinite": dropped, "move": move}
+        info = {"step": self.steps_done, "batch": len(batch), "nonfinite": dropped}
+        if not self.last_iterate_only:  # the step length would reveal intermediate iterates
+            info["move"] = move
+        return info
+
+    def _admit(self, stream: str) -> tuple[Any, Any]:
+        if not self.last_iterate_only:
+            return super()._admit(stream)
+        # The last-iterate bound covers the whole run so far: price the run with one more step.
+        plan = dataclasses.replace(self.plan, steps=self.steps_done + 1)
+        admitted = plan.step(stream, self.noise)
+        trial = Accountant(self.accountant.accountant, plan.neighbouring)
+        trial.record(*admitted)
+        if self.epsilon_budget is not None and trial.epsilon(self.delta) > self.epsilon_budget:
+            raise BudgetExhaustedError(
+                f"{self.name}: releasing the iterate after step {self.steps_done + 1} would exceed the "
+                f"budget epsilon={self.epsilon_budget:g} (spent so far: "
+                f"{self.accountant.epsilon(self.delta):.4g})"
+            )
+        return admitted
+
+    def _record(self, admitted: tuple[Any, Any]) -> None:
+        self.accountant.record(*admitted, replace=self.last_iterate_only)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}

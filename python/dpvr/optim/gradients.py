@@ -34,6 +34,7 @@ class ClippedGradients:
         clip: float,
         out: Sequence[torch.Tensor],
         point: Sequence[torch.Tensor] | None = None,
+        norms: torch.Tensor | None = None,
     ) -> int:
         """``out += sum_i clip_C(grad l(point; z_i))``; returns the number of non-finite samples."""
         if len(inputs) == 0:
@@ -41,7 +42,7 @@ class ClippedGradients:
         grads = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
         )
-        return int(ops.clip_accumulate(grads, clip, list(out)))
+        return int(ops.clip_accumulate(grads, clip, list(out), norms=norms))
 
     def diff_sum(
         self,
