@@ -1,4 +1,5 @@
 // Host-side runtime of the CUDA backend: availability, errors, guards, pointer checks and workspaces.
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <stdexcept>
