@@ -78,11 +78,9 @@ else
 fi
 
 step "benchmark: dpvr bench kernels --device cuda"
-timeout 120 "$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))' \
-  bench kernels --device cuda --json "$OUT_DIR/bench_cuda.json" || failures+=("dpvr bench kernels --device cuda")
-step "benchmark: bench/cuda_kernels.py (copy, dpvr, torch eager, Opacus on CUDA)"
-timeout 120 "$PY" bench/cuda_kernels.py --json "$OUT_DIR/bench_cuda_kernels.json" | tee "$OUT_DIR/bench_cuda.md"
-[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("bench/cuda_kernels.py")
+timeout 180 "$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))' \
+  bench kernels --device cuda --json "$OUT_DIR/bench_cuda.json" | tee "$OUT_DIR/bench_cuda.md"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("dpvr bench kernels --device cuda")
 
 step "summary"
 echo "results in $OUT_DIR/"

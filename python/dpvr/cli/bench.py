@@ -21,10 +21,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if args.device == "cuda":
-        from .. import backends
-
-        if not backends()["cuda_available"]:
-            raise RuntimeError("--device cuda: this build of dpvr has no usable CUDA backend")
+        return _run_cuda(args)
     from ..bench import kernels
 
     records = kernels.run(quick=args.quick, repeats=args.repeats)
@@ -44,4 +41,16 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(headers, rows))
     if args.json:
         write_json(args.json, document(f"bench-{args.what}", vars(args) | {"run": None}, records))
+    return 0
+
+
+def _run_cuda(args: argparse.Namespace) -> int:
+    from ..bench import cuda_kernels
+    from ..results import Record
+
+    raw = cuda_kernels.run(min_seconds=0.05 if args.quick else 0.2)
+    print(cuda_kernels.markdown(raw))
+    if args.json:
+        records = [Record(method=r["method"], dataset=f"{r['size']}/B={r['batch']}", metrics=r) for r in raw]
+        write_json(args.json, document(f"bench-{args.what}-cuda", vars(args) | {"run": None}, records))
     return 0

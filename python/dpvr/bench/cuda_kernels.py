@@ -15,15 +15,12 @@ time, for the copy as for the kernels, so ``vs_copy`` is the fraction of copy sp
 also writes what it reads, and the fused clip reads its input twice (norm pass, accumulation pass): both move
 about twice the data's bytes. ``vs_opacus`` is Opacus' time over the method's time (steps only).
 
-Run as a script for a table: ``python bench/cuda_kernels.py [--json FILE] [--quick]``.
+``dpvr bench kernels --device cuda [--json FILE]`` runs it and prints the table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -32,14 +29,11 @@ CLIP, SIGMA, LR = 1.0, 1.0, 0.1
 
 # The sizes of the kernel benchmark plus the launch-bound case: a small MLP with many tensors at B = 64.
 _LAUNCH_BOUND = [(64, 32), (64,)] + [(64, 64), (64,)] * 14 + [(10, 64), (10,)]
+_MLP = [(256, 784), (256,), (128, 256), (128,), (1, 128), (1,)]
 DEFAULT_SIZES: list[dict[str, Any]] = [
-    {
-        "name": "mlp-784-256-128-1",
-        "batch": 256,
-        "shapes": [(256, 784), (256,), (128, 256), (128,), (1, 128), (1,)],
-    },
-    {"name": "wide-4x1024x1024", "batch": 128, "shapes": [(1024, 1024)] * 4},
-    {"name": "deep-8x1024x1024", "batch": 32, "shapes": [(1024, 1024), (1024,)] * 8},
+    {"name": "mlp-784-256-128-1", "batch": 256, "shapes": _MLP},
+    {"name": "mlp-784-256-128-1", "batch": 1024, "shapes": _MLP},
+    {"name": "linear-1024x1024", "batch": 256, "shapes": [(1024, 1024), (1024,)]},
     {"name": "launch-bound-mlp-32-tensors", "batch": 64, "shapes": _LAUNCH_BOUND},
 ]
 
@@ -234,21 +228,3 @@ def markdown(records: Sequence[dict[str, Any]]) -> str:
         cells += [f"{100 * r['vs_copy']:.0f}%", vs_opacus]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the records to this file")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--quick", action="store_true", help="shorter timing loops")
-    args = parser.parse_args(argv)
-    records = run(dtype=args.dtype, min_seconds=0.05 if args.quick else 0.2)
-    print(markdown(records))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "kernels", "device": "cuda", "records": records}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
