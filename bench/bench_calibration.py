@@ -1,4 +1,4 @@
-"""Time of a tight joint calibration of a four-stream algorithm over 10^4 steps, beside Opacus' one-stream one.
+"""Time of a tight joint calibration of four streams over 10^4 steps, beside Opacus' one-stream calibration.
 
 Both are measured in the same run, on the same target (epsilon = 2, delta = 1e-5): dpvr calibrates DP
 Double-SPIDER's four Poisson-sampled streams (refreshes every 100 steps on 10% of 60,000 records,
@@ -48,10 +48,14 @@ def main() -> None:
     def opacus() -> float:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Opacus warns when the optimum is its largest order
-            return get_noise_multiplier(target_epsilon=EPSILON, target_delta=DELTA, sample_rate=0.01,
-                                        steps=STEPS, accountant="rdp")
+            return get_noise_multiplier(
+                target_epsilon=EPSILON, target_delta=DELTA, sample_rate=0.01, steps=STEPS, accountant="rdp"
+            )
 
-    four, reference = "dpvr four streams, Poisson (add/remove)", "opacus get_noise_multiplier, one stream (rdp)"
+    four, reference = (
+        "dpvr four streams, Poisson (add/remove)",
+        "opacus get_noise_multiplier, one stream (rdp)",
+    )
     cases = {
         four: lambda: calibrate(four_poisson, EPSILON, DELTA),
         reference: opacus,
@@ -70,8 +74,18 @@ def main() -> None:
     print(f"  epsilon spent by the calibrated four-stream run: {check:.6f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "calibration", "epsilon": EPSILON, "delta": DELTA, "steps": STEPS,
-                       "median_ms": results, "spent_epsilon": check}, f, indent=2)
+            json.dump(
+                {
+                    "benchmark": "calibration",
+                    "epsilon": EPSILON,
+                    "delta": DELTA,
+                    "steps": STEPS,
+                    "median_ms": results,
+                    "spent_epsilon": check,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""Privacy accounting for dpvr's algorithms, on dp_accounting's events and accountants.
+
+- :class:`Accountant` records what an algorithm releases, stream by stream, and answers ``epsilon(delta)``,
+  ``delta(epsilon)`` and a :class:`PrivacyReport`; it checkpoints to JSON.
+- :mod:`~dpvr.privacy.events` has a plan (mechanism factory) per algorithm: DP-SGD/DP-GD, DIFF2, DP-SGDA,
+  PrivateDiff, DP Double-SPIDER, DP Recursive-SPIDER and the phased output-perturbation framework;
+  :mod:`~dpvr.privacy.last_iterate` has cyclic DP-SGD's last-iterate bounds.
+- :func:`calibrate` finds the noise for a target ``(epsilon, delta)``, jointly over all streams, or returns
+  the paper's closed form.
+
+Noise multipliers are the noise std over the L2 bound on one record's contribution to the released sum
+(:mod:`~dpvr.privacy.relations` explains how each accountant is made to price that correctly under
+replace-one and add/remove neighbours).
+"""
+
+from .accountant import Accountant, PrivacyReport, account, event_from_dict, event_to_dict
+from .calibration import MechanismFactory, calibrate
+from .events import (
+    DIFF2,
+    DPSGD,
+    DPSGDA,
+    DoubleSpider,
+    Phased,
+    Plan,
+    PrivateDiff,
+    RecursiveSpider,
+    output_perturbation_multiplier,
+)
+from .last_iterate import CyclicDPSGD, epsilon_by_epoch, l_lambda, theorem_2_2_rho, theorem_2_3_rho, theta
+from .mechanism import Mechanism, Release, Sampling, Stream
+from .relations import ACCOUNTANTS, ADD_REMOVE, NEIGHBOURING, REPLACE_ONE
+
+__all__ = [
+    "ACCOUNTANTS",
+    "ADD_REMOVE",
+    "DIFF2",
+    "DPSGD",
+    "DPSGDA",
+    "NEIGHBOURING",
+    "REPLACE_ONE",
+    "Accountant",
+    "CyclicDPSGD",
+    "DoubleSpider",
+    "Mechanism",
+    "MechanismFactory",
+    "Phased",
+    "Plan",
+    "PrivacyReport",
+    "PrivateDiff",
+    "RecursiveSpider",
+    "Release",
+    "Sampling",
+    "Stream",
+    "account",
+    "calibrate",
+    "epsilon_by_epoch",
+    "event_from_dict",
+    "event_to_dict",
+    "l_lambda",
+    "output_perturbation_multiplier",
+    "theorem_2_2_rho",
+    "theorem_2_3_rho",
+    "theta",
+]

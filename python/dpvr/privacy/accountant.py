@@ -1,0 +1,422 @@
+"""The accountant an algorithm carries: it records every release as it happens and answers epsilon/delta.
+
+Composition and conversion are dp_accounting's: each distinct event is priced by its ``RdpAccountant``
+(RDP curve over the orders) and the total is converted with its ``compute_epsilon``/``compute_delta``; with
+``accountant="pld"`` the ledger is composed in its ``PLDAccountant``. What dpvr adds is the ledger by noise
+stream (so a report can say which stream spent what), the neighbouring-relation convention of
+:mod:`dpvr.privacy.relations`, a failure probability for sensitivity bounds that hold only with high
+probability, and a JSON-serialisable state for checkpoints.
+
+A stream's *share* is its part of the total RDP at the reporting order (the optimal order of the RDP
+conversion). RDP composes additively at a fixed order, so the shares of all streams sum to one. With the
+PLD accountant the shares are still measured on the RDP curves, because a privacy-loss distribution has no
+additive per-stream decomposition at a given delta.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+import attr
+import dp_accounting as dpa
+import numpy as np
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from . import _checks
+from .mechanism import Mechanism
+from .relations import (
+    ADD_REMOVE,
+    DEFAULT_ORDERS,
+    REPLACE_ONE,
+    check_accountant,
+    check_neighbouring,
+    for_accountant,
+    make_accountant,
+    require_supported,
+    scale_noise,
+)
+
+StreamSpec = Union[str, Mapping[str, float]]
+_FORMAT = "dpvr.privacy.Accountant/1"
+
+_RELATION_NOTES = {
+    REPLACE_ONE: "neighbouring datasets differ by replacing one record (the dataset size is public)",
+    ADD_REMOVE: "neighbouring datasets differ by adding or removing one record; every mean is normalised "
+    "by a public count (batch size, expected batch size or nominal dataset size)",
+}
+
+
+@dataclass
+class PrivacyReport:
+    """What was spent: ``(epsilon, delta)``-DP under ``neighbouring``, and each stream's share."""
+
+    epsilon: float
+    delta: float
+    accountant: str
+    neighbouring: str
+    order: float | None
+    streams: dict[str, float]
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def event_to_dict(event: dpa.DpEvent) -> dict[str, Any]:
+    """A JSON-serialisable description of a dp_accounting event (nested events included)."""
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for a in attr.fields(type(event)):
+        out[a.name] = _encode(getattr(event, a.name))
+    return out
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, dpa.DpEvent):
+        return event_to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def event_from_dict(data: Mapping[str, Any]) -> dpa.DpEvent:
+    """Inverse of :func:`event_to_dict`; only dp_accounting's own event classes are accepted."""
+    cls = getattr(dp_event, str(data.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, dpa.DpEvent)):
+        raise ValueError(f"unknown DpEvent type {data.get('type')!r}")
+    return cls(**{k: _decode(v) for k, v in data.items() if k != "type"})
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, Mapping) and "type" in value:
+        return event_from_dict(value)
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+@dataclass
+class _Entry:
+    parts: tuple[tuple[str, float], ...]
+    event: dpa.DpEvent
+    count: int
+
+
+def _parts(stream: StreamSpec) -> tuple[tuple[str, float], ...]:
+    if isinstance(stream, str):
+        if not stream:
+            raise ValueError("stream must be a non-empty name")
+        return ((stream, 1.0),)
+    if not isinstance(stream, Mapping) or not stream:
+        raise ValueError(f"stream must be a name or a mapping of names to weights, got {stream!r}")
+    weights = {str(k): _checks.positive(f"weight of stream {k!r}", w) for k, w in stream.items()}
+    total = math.fsum(weights.values())
+    return tuple((k, w / total) for k, w in weights.items())
+
+
+class Accountant:
+    """Records the releases of a running algorithm and converts them to ``(epsilon, delta)``.
+
+    ``accountant`` is ``"rdp"`` (dp_accounting's RDP accountant; fast, supports every dpvr event except
+    Poisson sampling under replace-one) or ``"pld"`` (its privacy-loss-distribution accountant; tighter,
+    slower, no sampling without replacement and no RDP curves). ``neighbouring`` is ``"replace-one"`` (as in
+    the papers) or ``"add-remove"``.
+
+    Noise multipliers follow dpvr's convention (:mod:`dpvr.privacy.relations`): noise std over the L2 bound
+    on one record's contribution to the released sum. Under replace-one that record can move the sum by
+    twice the bound, and the accountant prices it so.
+    """
+
+    def __init__(
+        self,
+        accountant: str = "rdp",
+        neighbouring: str = REPLACE_ONE,
+        orders: Sequence[float] | None = None,
+    ) -> None:
+        self._configure(accountant, neighbouring, orders)
+
+    def _configure(self, accountant: str, neighbouring: str, orders: Sequence[float] | None) -> None:
+        self._kind = check_accountant(accountant)
+        self._neighbouring = check_neighbouring(neighbouring)
+        orders = tuple(float(a) for a in (orders if orders is not None else DEFAULT_ORDERS))
+        if not orders or min(orders) <= 1:
+            raise ValueError(f"orders must be a non-empty sequence of RDP orders > 1, got {orders!r}")
+        self._orders = orders
+        self._ledger: list[_Entry] = []
+        self._assumptions: list[str] = []
+        self._failure = 0.0
+        self._curves: dict[str, tuple[np.ndarray | None, bool]] = {}
+        self._stream_rdp: dict[str, np.ndarray] = {}
+        self._total = np.zeros(len(self._orders))
+        self._pld: dpa.PrivacyAccountant | None = None
+
+    # -- recording ---------------------------------------------------------------------------------------
+
+    @property
+    def accountant(self) -> str:
+        return self._kind
+
+    @property
+    def neighbouring(self) -> str:
+        return self._neighbouring
+
+    @property
+    def orders(self) -> tuple[float, ...]:
+        return self._orders
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """Names of the streams recorded so far, in order of first appearance."""
+        return tuple(self._stream_rdp)
+
+    @property
+    def assumptions(self) -> list[str]:
+        return list(self._assumptions)
+
+    @property
+    def failure_probability(self) -> float:
+        return self._failure
+
+    def record(
+        self, stream: StreamSpec, event: dpa.DpEvent, count: int = 1, *, replace: bool = False
+    ) -> None:
+        """Record ``count`` releases of ``event`` for ``stream``.
+
+        ``stream`` is a name, or a mapping of names to weights when one release serves several streams (a
+        shared batch; see :meth:`Mechanism.step`). ``replace=True`` makes ``event`` the stream's whole cost
+        so far, for bounds that cover a whole run (the last-iterate bound after ``t`` steps).
+
+        Raises ``ValueError`` if the event cannot be accounted by this accountant under its relation.
+        """
+        if not isinstance(event, dpa.DpEvent):
+            raise TypeError(f"event must be a dp_accounting DpEvent, got {type(event).__name__}")
+        parts = _parts(stream)
+        count = _checks.count("count", count)
+        require_supported(event, self._kind, self._neighbouring)
+        if replace:
+            if len(parts) != 1:
+                raise ValueError("replace=True needs a single stream name")
+            name = parts[0][0]
+            if any(len(e.parts) > 1 and name in dict(e.parts) for e in self._ledger):
+                raise ValueError(f"stream {name!r} shares releases with other streams; it cannot be replaced")
+            self._ledger = [e for e in self._ledger if e.parts != parts]
+            self._rebuild()
+        if count == 0:
+            return
+        last = self._ledger[-1] if self._ledger else None
+        if last is not None and last.parts == parts and last.event == event:
+            last.count += count
+        else:
+            self._ledger.append(_Entry(parts, event, count))
+        self._add(parts, event, count)
+
+    def record_mechanism(self, mechanism: Mechanism) -> None:
+        """Record a whole run (all releases of every stream) with its assumptions and failure probability."""
+        if mechanism.neighbouring != self._neighbouring:
+            raise ValueError(
+                f"mechanism was built for neighbouring={mechanism.neighbouring!r}, "
+                f"the accountant uses {self._neighbouring!r}"
+            )
+        # Check every release first, so that a refused run records nothing.
+        for release in mechanism.releases:
+            require_supported(release.step_event(), self._kind, self._neighbouring)
+        for release in mechanism.releases:
+            self.record(dict(release.parts), release.step_event(), release.count)
+        for text in mechanism.assumptions:
+            self.assume(text)
+        if mechanism.failure_probability:
+            self.add_failure_probability(mechanism.failure_probability)
+
+    def assume(self, text: str) -> None:
+        """State an assumption the guarantee rests on (listed in every report)."""
+        if text not in self._assumptions:
+            self._assumptions.append(text)
+
+    def add_failure_probability(self, probability: float) -> None:
+        """Add the probability that a sensitivity bound fails; it is added to every delta."""
+        probability = _checks.non_negative("probability", probability)
+        if self._failure + probability >= 1:
+            raise ValueError(
+                f"total failure probability must stay below 1, got {self._failure + probability}"
+            )
+        self._failure += probability
+
+    def _curve(self, event: dpa.DpEvent) -> tuple[np.ndarray | None, bool]:
+        """RDP of one release over the orders, and whether it is exact (else a proxy used only for shares)."""
+        key = repr(event)
+        if key not in self._curves:
+            exact_event = for_accountant(event, "rdp", self._neighbouring)
+            acc = make_accountant("rdp", self._neighbouring, self._orders)
+            if acc.supports(exact_event):
+                self._curves[key] = (acc.compose(exact_event).rdp, True)
+            else:
+                # Only reachable with the PLD accountant (Poisson sampling under replace-one): shares are
+                # measured on the add/remove curve of the same release with twice the sensitivity.
+                proxy = make_accountant("rdp", ADD_REMOVE, self._orders)
+                proxy_event = scale_noise(event, 0.5)
+                curve = proxy.compose(proxy_event).rdp if proxy.supports(proxy_event) else None
+                self._curves[key] = (curve, False)
+        return self._curves[key]
+
+    def _add(self, parts: tuple[tuple[str, float], ...], event: dpa.DpEvent, count: int) -> None:
+        self._pld = None
+        curve, _ = self._curve(event)
+        for name, weight in parts:
+            self._stream_rdp.setdefault(name, np.zeros(len(self._orders)))
+            if curve is not None:
+                self._stream_rdp[name] = self._stream_rdp[name] + weight * count * curve
+        if curve is not None:
+            self._total = self._total + count * curve
+
+    def _rebuild(self) -> None:
+        self._pld = None
+        self._stream_rdp = {}
+        self._total = np.zeros(len(self._orders))
+        for entry in self._ledger:
+            self._add(entry.parts, entry.event, entry.count)
+
+    # -- answers -----------------------------------------------------------------------------------------
+
+    def _mechanism_delta(self, delta: float) -> float:
+        delta = _checks.delta(delta)
+        if delta <= self._failure:
+            raise ValueError(
+                f"delta ({delta}) must exceed the recorded failure probability ({self._failure})"
+            )
+        return delta - self._failure
+
+    def _pld_accountant(self, extra: Sequence[_Entry] = ()) -> dpa.PrivacyAccountant:
+        if self._pld is None or extra:
+            acc = make_accountant("pld", self._neighbouring)
+            for entry in [*self._ledger, *extra]:
+                acc.compose(entry.event, entry.count)
+            if extra:
+                return acc
+            self._pld = acc
+        return self._pld
+
+    def _epsilon_and_order(self, delta: float, total: np.ndarray | None = None) -> tuple[float, float | None]:
+        mechanism_delta = self._mechanism_delta(delta)
+        if self._kind == "pld":
+            return float(self._pld_accountant().get_epsilon(mechanism_delta)), None
+        total = self._total if total is None else total
+        eps, order = rdp_privacy_accountant.compute_epsilon(self._orders, total, mechanism_delta)
+        return float(eps), float(order)
+
+    def epsilon(self, delta: float) -> float:
+        """Smallest epsilon such that everything recorded is ``(epsilon, delta)``-DP."""
+        return self._epsilon_and_order(delta)[0]
+
+    def delta(self, epsilon: float) -> float:
+        """Smallest delta such that everything recorded is ``(epsilon, delta)``-DP."""
+        epsilon = _checks.non_negative("epsilon", epsilon)
+        if self._kind == "pld":
+            spent = float(self._pld_accountant().get_delta(epsilon))
+        else:
+            spent = float(rdp_privacy_accountant.compute_delta(self._orders, self._total, epsilon)[0])
+        return min(1.0, spent + self._failure)
+
+    def would_exceed(
+        self, stream: StreamSpec, event: dpa.DpEvent, epsilon_budget: float, delta: float, count: int = 1
+    ) -> bool:
+        """Whether recording ``count`` more releases of ``event`` would take epsilon above the budget."""
+        budget = _checks.positive("epsilon_budget", epsilon_budget)
+        parts = _parts(stream)
+        count = _checks.count("count", count)
+        require_supported(event, self._kind, self._neighbouring)
+        if self._kind == "pld":
+            acc = self._pld_accountant([_Entry(parts, event, count)])
+            return float(acc.get_epsilon(self._mechanism_delta(delta))) > budget
+        curve, _ = self._curve(event)
+        return self._epsilon_and_order(delta, self._total + count * curve)[0] > budget
+
+    def shares(self, order: float) -> dict[str, float]:
+        """Each stream's fraction of the total RDP at ``order`` (an order of this accountant)."""
+        i = self._orders.index(float(order))
+        total = math.fsum(v[i] for v in self._stream_rdp.values())
+        if not (total > 0 and math.isfinite(total)):
+            return {name: 0.0 for name in self._stream_rdp}
+        return {name: float(v[i] / total) for name, v in self._stream_rdp.items()}
+
+    def report(self, delta: float) -> PrivacyReport:
+        """epsilon at ``delta``, the reporting order, each stream's share, and every stated assumption."""
+        epsilon, order = self._epsilon_and_order(delta)
+        assumptions = [_RELATION_NOTES[self._neighbouring], *self._assumptions]
+        share_order = order
+        if share_order is None:
+            total = sum(self._stream_rdp.values(), np.zeros(len(self._orders)))
+            share_order = float(
+                rdp_privacy_accountant.compute_epsilon(self._orders, total, self._mechanism_delta(delta))[1]
+            )
+            if not all(self._curve(e.event)[1] for e in self._ledger):
+                assumptions.append(
+                    "stream shares measured on an add/remove RDP proxy (twice the sensitivity) "
+                    "for Poisson-sampled replace-one releases"
+                )
+        if self._failure:
+            assumptions.append(
+                f"sensitivity bounds fail with probability <= {self._failure:g}, included in delta"
+            )
+        return PrivacyReport(
+            epsilon=epsilon,
+            delta=float(delta),
+            accountant=self._kind,
+            neighbouring=self._neighbouring,
+            order=order,
+            streams=self.shares(share_order) if self._stream_rdp else {},
+            assumptions=assumptions,
+        )
+
+    # -- checkpointing -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: a JSON-serialisable dict."""
+        return {
+            "format": _FORMAT,
+            "accountant": self._kind,
+            "neighbouring": self._neighbouring,
+            "orders": list(self._orders),
+            "failure_probability": self._failure,
+            "assumptions": list(self._assumptions),
+            "ledger": [
+                {"streams": dict(e.parts), "count": e.count, "event": event_to_dict(e.event)}
+                for e in self._ledger
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the state saved by :meth:`state_dict` (replacing everything recorded so far)."""
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"state is not a {_FORMAT} state dict (format={state.get('format')!r})")
+        self._configure(state["accountant"], state["neighbouring"], state["orders"])
+        for entry in state["ledger"]:
+            self.record(entry["streams"], event_from_dict(entry["event"]), entry["count"])
+        for text in state["assumptions"]:
+            self.assume(text)
+        if state["failure_probability"]:
+            self.add_failure_probability(state["failure_probability"])
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Accountant:
+        acc = cls()
+        acc.load_state_dict(state)
+        return acc
+
+
+def account(mechanism: Mechanism, delta: float, accountant: str = "rdp") -> PrivacyReport:
+    """Report for a whole run: a fresh accountant that records ``mechanism`` and reports at ``delta``."""
+    acc = Accountant(accountant, mechanism.neighbouring)
+    acc.record_mechanism(mechanism)
+    return acc.report(delta)
+
+
+__all__ = [
+    "Accountant",
+    "PrivacyReport",
+    "account",
+    "event_from_dict",
+    "event_to_dict",
+]

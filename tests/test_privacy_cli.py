@@ -1,0 +1,140 @@
+"""``dpvr account`` and ``dpvr calibrate``: output shape, agreement with the library, plots and errors."""
+
+import argparse
+import json
+
+import pytest
+
+from dpvr.cli import account as account_cli
+from dpvr.privacy import DIFF2, DPSGD, CyclicDPSGD, account, calibrate
+
+
+def _parse(command: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dpvr")
+    account_cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(command.split())
+
+
+def _run(capsys, command: str) -> str:
+    args = _parse(command)
+    assert args.run(args) == 0
+    return capsys.readouterr().out
+
+
+def _json(capsys, command: str) -> dict:
+    return json.loads(_run(capsys, command + " --json"))
+
+
+DP_SGD = "account dp-sgd --sample-rate 0.01 --noise-multiplier 1.1 --steps 1000 --delta 1e-5"
+
+
+def test_account_dp_sgd_json(capsys):
+    out = _json(capsys, DP_SGD)
+    assert {"epsilon", "delta", "accountant", "streams"} <= set(out)
+    assert out["epsilon"] == pytest.approx(account(DPSGD(1000, "poisson", 0.01)(1.1), 1e-5).epsilon)
+    assert out["accountant"] == "rdp" and out["neighbouring"] == "add-remove"
+    assert out["streams"] == [{"name": "gradient", "releases": 1000, "noise_multiplier": 1.1, "share": 1.0}]
+    pld = _json(capsys, DP_SGD + " --accountant pld --neighbouring replace-one")
+    assert pld["accountant"] == "pld" and pld["order"] is None and pld["epsilon"] > out["epsilon"]
+
+
+def test_calibrate_diff2_paper_and_tight(capsys):
+    common = "calibrate diff2 --n 1651 --clients 10 --rounds 2000 --restart 20 --epsilon 3 --delta 1e-5"
+    paper = _json(capsys, common + " --calibration paper --u 1.25")
+    plan = DIFF2(1651, 10, 2000, 20)
+    assert paper["noise_multiplier"] == pytest.approx(calibrate(plan, 3, 1e-5, calibration="paper", u=1.25))
+    sigma = {s["name"]: s["sigma"] for s in paper["streams"]}
+    assert sigma["restart"] == pytest.approx(0.00235, abs=5e-6) and paper["spent_epsilon"] < 3
+    tight = _json(capsys, common + " --shares restart=0.8,difference=0.2")
+    assert tight["spent_epsilon"] == pytest.approx(3, rel=1e-3)
+    shares = {s["name"]: s["share"] for s in tight["streams"]}
+    assert shares == pytest.approx({"restart": 0.8, "difference": 0.2})
+
+
+ALGORITHMS = {
+    "dp-gd": "--steps 100",
+    "diff2": "--n 5000 --clients 4 --rounds 40 --restart 10 --local-steps 3 --local-batch 20",
+    "dp-sgda": "--dataset-size 10000 --batch-size 100 --steps 200",
+    "private-diff": "--dataset-size 10000 --batch-size 100 --rounds 50 --restart 5 --y-steps 2",
+    "double-spider": "--dataset-size 10000 --steps 300 --epoch-size 30 --batch-sizes 10000,64,10000,64",
+    "recursive-spider": "--dataset-size 10000 --steps 300 --epoch-size 30 --batch-sizes 10000,64,10000,64",
+    "phased": "--setting c-c",
+    "last-iterate": "--dataset-size 1000 --batch-size 10 --epochs 5 --lr 1e-3 --clip 1 --weak-convexity 1 "
+    "--smoothness 1 --no-clipping",
+}
+
+NOISE_FLAGS = {
+    "dp-gd": {"gradient": "--noise-multiplier"},
+    "diff2": {"restart": "--sigma1", "difference": "--sigma2", "local": "--sigma3"},
+    "dp-sgda": {"x": "--sigma-x", "y": "--sigma-y"},
+    "private-diff": {"checkpoint": "--sigma-x1", "difference": "--sigma-x2", "y": "--sigma-y"},
+    "phased": {"x": "--sigma-x", "y": "--sigma-y"},
+    "last-iterate": {"gradient": "--sigma"},
+}
+
+
+def _noise_flags(name: str, streams: list) -> str:
+    """The noise flags that give back the calibrated noise (in each algorithm's own units)."""
+    if name.endswith("spider"):
+        return "--noise-multipliers " + ",".join(repr(s["noise_multiplier"]) for s in streams)
+    return " ".join(
+        f"{NOISE_FLAGS[name][s['name']]} {s.get('sigma', s['noise_multiplier'])!r}" for s in streams
+    )
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_algorithm_calibrates_and_accounts(capsys, name):
+    calibrated = _json(capsys, f"calibrate {name} {ALGORITHMS[name]} --epsilon 1.5 --delta 1e-6")
+    assert calibrated["spent_epsilon"] == pytest.approx(1.5, rel=1e-3)
+    noise = _noise_flags(name, calibrated["streams"])
+    accounted = _json(capsys, f"account {name} {ALGORITHMS[name]} {noise} --delta 1e-6")
+    assert accounted["epsilon"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_table_and_plot(capsys, tmp_path):
+    out = _run(
+        capsys,
+        "account diff2 --n 1651 --clients 10 --rounds 2000 --restart 20 --sigma1 0.00235 "
+        "--sigma2 0.02045 --delta 1e-5",
+    )
+    assert "epsilon" in out and "restart" in out and "difference" in out and "assumptions:" in out
+    png = tmp_path / "figure1.png"
+    out = _run(
+        capsys,
+        "account last-iterate --dataset-size 10000 --batch-size 10 --epochs 20 --lr 1e-5 "
+        f"--clip 10 --sigma 1e-5 --weak-convexity 1 --smoothness 1 --no-clipping --delta 1e-5 --plot {png}",
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = CyclicDPSGD(10_000, 10, 20_000, 1e-5, 10, 1, 1, clipping=False)
+    assert f"{account(plan(1.0), 1e-5).epsilon:.6g}" in out
+
+
+@pytest.mark.parametrize(
+    ("command", "match"),
+    [
+        ("account diff2 --n 100 --clients 2 --rounds 10 --restart 2 --sigma1 0.1 --delta 1e-5", "--sigma2"),
+        ("account dp-sgd --sample-rate 0.01 --noise-multiplier 1 --steps 10 --delta 2", "delta"),
+        (
+            "account dp-sgd --sample-rate 0.01 --noise-multiplier -1 --steps 10 --delta 1e-5",
+            "noise multiplier",
+        ),
+        ("account dp-sgd --sample-rate 0 --noise-multiplier 1 --steps 10 --delta 1e-5", "sample_rate"),
+        ("account dp-sgd --sample-rate 0.01 --noise-multiplier 1 --steps -3 --delta 1e-5", "steps"),
+        (DP_SGD + " --neighbouring replace-one", "Poisson"),
+        (
+            "calibrate double-spider --dataset-size 100 --steps 10 --epoch-size 2 --batch-sizes 10,10,10,10 "
+            "--epsilon 1 --delta 1e-5 --calibration paper",
+            "closed-form",
+        ),
+        ("calibrate dp-sgd --sample-rate 0.01 --steps 10 --epsilon 0 --delta 1e-5", "epsilon"),
+        (
+            "account last-iterate --dataset-size 100 --batch-size 10 --epochs 2 --lr 1 --clip 1 --sigma 1 "
+            "--weak-convexity 1 --smoothness 1 --bound last-iterate --delta 1e-5",
+            "lr",
+        ),
+    ],
+)
+def test_errors_name_the_argument(command, match):
+    args = _parse(command)
+    with pytest.raises(ValueError, match=match):
+        args.run(args)
