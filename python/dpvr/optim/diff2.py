@@ -191,9 +191,13 @@ class DIFF2(PrivateAlgorithm):
         for mine, prev in zip(self._local_prev, self._prev):
             mine.copy_(prev)
         move, dropped = self._move, 0
+        # A record's privacy loss counts only its own client's local steps. Round robin serves client 1 % P
+        # in rounds 1, P + 1, 2P + 1, ..., so it is always the busiest: charging its rounds (the plan's
+        # (K - 1) ceil(R/P) releases) accounts the worst-case client as the run goes.
+        charged = (r - 1) % len(self.clients) == 0
         for _ in range(2, self.local_steps + 1):
             radius = self.clip3 * move
-            admitted = self._admit("local")
+            admitted = self._admit("local") if charged else None
             for t in self._tmp:
                 t.zero_()
             if radius > 0:
@@ -212,7 +216,8 @@ class DIFF2(PrivateAlgorithm):
                 params_prev=self._local_prev_flat,
                 lr=self.lr,
             )
-            self._record(admitted)
+            if admitted is not None:
+                self._record(admitted)
         # The next round's radius spans the whole local trajectory: ||x_{K,r-1} - x_{0,r-1}||.
         self._move = global_norm([p.detach() - q for p, q in zip(self.params, self._prev)])
         return dropped

@@ -1,0 +1,48 @@
+"""Phased output perturbation, "bring your own algorithm": the framework, the solver protocol, solvers."""
+
+from .algorithm import (
+    GAUSSIAN,
+    SETTINGS,
+    PhasedOutputPerturbation,
+    PhasedResult,
+    PhaseRecord,
+    gaussian_ratio,
+    paper_mu,
+    release_ratio,
+)
+from .problem import (
+    Ball,
+    BaseSolver,
+    Box,
+    CertificateError,
+    Domain,
+    FiniteSumProblem,
+    PhaseProblem,
+    SolverResult,
+    Whole,
+    split_rows,
+)
+from .solvers import KatyushaSolver, VRExtragradientSolver
+
+__all__ = [
+    "GAUSSIAN",
+    "SETTINGS",
+    "Ball",
+    "BaseSolver",
+    "Box",
+    "CertificateError",
+    "Domain",
+    "FiniteSumProblem",
+    "KatyushaSolver",
+    "PhaseProblem",
+    "PhaseRecord",
+    "PhasedOutputPerturbation",
+    "PhasedResult",
+    "SolverResult",
+    "VRExtragradientSolver",
+    "Whole",
+    "gaussian_ratio",
+    "paper_mu",
+    "release_ratio",
+    "split_rows",
+]

@@ -1,0 +1,307 @@
+"""What a base solver is given and what it must return ("bring your own algorithm").
+
+Every phase of the phased framework hands its solver one :class:`PhaseProblem`: the finite-sum saddle
+problem on that phase's chunk of the data with an added quadratic regulariser,
+
+    min_{x in X} max_{y in Y}  Phi(x, y) = (1/m) sum_{i in chunk} f(x, y; xi_i) + P(x, y)
+                                          + (rho_x/2) ||x - c_x||^2 - (rho_y/2) ||y - c_y||^2,
+
+and a target radius. A minimisation problem is the case without ``y`` (``dim_y == 0``). Points are flat
+vectors ``z = (x, y)``; the operator of the problem is ``(grad_x Phi, -grad_y Phi)``, which is strongly
+monotone with moduli ``(mu_x, mu_y)`` blockwise.
+
+The solver returns a :class:`SolverResult`: a point and a **certificate**, a number ``r`` with
+
+    sqrt(mu_x ||x - x*||^2 + mu_y ||y - y*||^2) <= r
+
+for the exact regularised solution ``(x*, y*)``, which must hold surely (not in expectation, not with high
+probability). :meth:`PhaseProblem.certify` computes the standard one: if ``w`` is the minimal-norm element of
+``F(z) + N_{X x Y}(z)`` (the operator plus the normal cone of the domain, i.e. the gradient mapping at ``z``),
+strong monotonicity and Cauchy-Schwarz give ``r = sqrt(||w_x||^2/mu_x + ||w_y||^2/mu_y)``; for
+minimisation this is ``||x - x*|| <= ||w||/mu``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+# A point on a ball's boundary comes out of the projection with a norm within a few ulps of the radius.
+_BOUNDARY_RTOL = 1e-12
+# The certificate can be tight (isotropic problems attain it), so rounding in the residual could leave it a
+# few ulps below the true distance; this relative margin covers that.
+_ROUNDING = 1 + 1e-9
+
+
+class CertificateError(RuntimeError):
+    """A base solver did not certify the accuracy the privacy guarantee needs; nothing was released."""
+
+
+@runtime_checkable
+class Domain(Protocol):
+    """A closed convex set with its Euclidean projection and normal cone."""
+
+    def project(self, v: np.ndarray) -> np.ndarray:
+        """The nearest point of the set to ``v``."""
+        ...
+
+    def residual(self, p: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """The minimal-norm element of ``g + N(p)``, ``N(p)`` the normal cone at ``p`` (p in the set)."""
+        ...
+
+
+class Whole:
+    """The whole space (no constraint)."""
+
+    def project(self, v: np.ndarray) -> np.ndarray:
+        return v
+
+    def residual(self, p: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return g
+
+    def __repr__(self) -> str:
+        return "Whole()"
+
+
+class Ball:
+    """The centred Euclidean ball ``{v : ||v|| <= radius}``."""
+
+    def __init__(self, radius: float) -> None:
+        radius = float(radius)
+        if not (math.isfinite(radius) and radius > 0):
+            raise ValueError(f"radius must be a finite number > 0, got {radius!r}")
+        self.radius = radius
+
+    def project(self, v: np.ndarray) -> np.ndarray:
+        norm = float(np.linalg.norm(v))
+        return v if norm <= self.radius else v * (self.radius / norm)
+
+    def residual(self, p: np.ndarray, g: np.ndarray) -> np.ndarray:
+        norm = float(np.linalg.norm(p))
+        if norm < self.radius * (1 - _BOUNDARY_RTOL):
+            return g
+        # The normal cone at a boundary point is the ray {t p : t >= 0}; remove the outward part of g.
+        t = max(0.0, -float(g @ p) / norm**2)
+        return g + t * p
+
+    def __repr__(self) -> str:
+        return f"Ball({self.radius!r})"
+
+
+class Box:
+    """The box ``{v : lower <= v <= upper}`` (bounds are scalars)."""
+
+    def __init__(self, lower: float, upper: float) -> None:
+        lower, upper = float(lower), float(upper)
+        if not lower < upper:
+            raise ValueError(f"lower must be < upper, got lower={lower!r}, upper={upper!r}")
+        self.lower, self.upper = lower, upper
+
+    def project(self, v: np.ndarray) -> np.ndarray:
+        return np.clip(v, self.lower, self.upper)
+
+    def residual(self, p: np.ndarray, g: np.ndarray) -> np.ndarray:
+        # np.clip puts projected coordinates exactly on a bound, so equality tests are exact here. At the
+        # upper bound the normal cone allows adding any n_j >= 0, which cancels a negative g_j.
+        w = np.where(p >= self.upper, np.maximum(g, 0.0), g)
+        return np.where(p <= self.lower, np.minimum(g, 0.0), w)
+
+    def __repr__(self) -> str:
+        return f"Box({self.lower!r}, {self.upper!r})"
+
+
+@runtime_checkable
+class FiniteSumProblem(Protocol):
+    """A finite-sum problem ``min_x max_y (1/n) sum_i f(x, y; xi_i) + P(x, y)`` over ``X x Y``.
+
+    ``f(., .; xi)`` is the per-sample loss (convex-concave) and ``P`` a public, data-independent smooth
+    convex-concave part (a ridge term, a fixed coupling). The phased framework's privacy rests on:
+
+    - ``lipschitz`` (L): every ``f(., .; xi)`` is L-Lipschitz jointly in ``(x, y)`` on ``X x Y``. Only the
+      per-sample part needs it: ``P`` is common to neighbouring datasets and cancels in the stability proof;
+    - ``moduli`` ``(mu_x, mu_y)``: the strong convexity in ``x`` and strong concavity in ``y`` of
+      ``(1/n) sum_i f + P`` for *every* dataset (0 where there is none);
+    - ``n``: the public dataset size (replace-one neighbours).
+
+    ``smoothness`` (the Lipschitz constant of each sample's operator ``(grad_x f, -grad_y f)``) and
+    ``public_smoothness`` (that of ``P``'s) only size the solvers' steps. ``dim_y == 0`` is a minimisation
+    problem; its ``domain_y`` is ignored.
+    """
+
+    n: int
+    dim_x: int
+    dim_y: int
+    lipschitz: float
+    smoothness: float
+    public_smoothness: float
+    moduli: tuple[float, float]
+    domain_x: Domain
+    domain_y: Domain
+
+    def sample_operator(self, z: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Per-sample operators ``(grad_x f, -grad_y f)(z; xi_i)``, ``i`` in ``rows``; shape (rows, dim)."""
+        ...
+
+    def public_operator(self, z: np.ndarray) -> np.ndarray:
+        """``(grad_x P, -grad_y P)(z)``, shape ``(dim,)``."""
+        ...
+
+
+def check_problem(problem: FiniteSumProblem) -> None:
+    """Raise ``ValueError`` naming the attribute if ``problem`` does not describe a usable finite sum."""
+    if not isinstance(problem, FiniteSumProblem):
+        raise ValueError(f"problem must implement FiniteSumProblem, got {type(problem).__name__}")
+    for name in ("n", "dim_x"):
+        value = getattr(problem, name)
+        if isinstance(value, bool) or int(value) != value or value < 1:
+            raise ValueError(f"problem.{name} must be an integer >= 1, got {value!r}")
+    if isinstance(problem.dim_y, bool) or int(problem.dim_y) != problem.dim_y or problem.dim_y < 0:
+        raise ValueError(f"problem.dim_y must be an integer >= 0, got {problem.dim_y!r}")
+    if not (math.isfinite(problem.lipschitz) and problem.lipschitz > 0):
+        raise ValueError(f"problem.lipschitz must be a finite number > 0, got {problem.lipschitz!r}")
+    for name in ("smoothness", "public_smoothness"):
+        value = getattr(problem, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"problem.{name} must be a finite number >= 0, got {value!r}")
+    if len(problem.moduli) != 2 or not all(math.isfinite(m) and m >= 0 for m in problem.moduli):
+        raise ValueError(f"problem.moduli must be two finite numbers >= 0, got {problem.moduli!r}")
+
+
+@dataclass(frozen=True)
+class SolverResult:
+    """A base solver's answer: ``point`` (flat ``(x, y)``) and its certified weighted ``radius``."""
+
+    point: np.ndarray
+    radius: float
+
+
+class BaseSolver(Protocol):
+    """A base solver for the regularised phase problems ("bring your own algorithm").
+
+    ``solve`` gets the phase problem and a public starting point and returns a point with a certificate
+    (see the module documentation). It reads the data only through ``phase``'s operator methods, which count
+    the per-sample gradient evaluations. The certificate must hold for every realisation of the solver's
+    randomness; a solver that cannot reach ``phase.target`` within its budget returns its best certificate
+    and the framework refuses to release anything.
+
+    Randomness must come from ``phase.rng`` and no state may be carried from one call to the next: the
+    framework seeds each phase independently of the data, which is what lets parallel composition ignore the
+    solver. (A generator carried across phases would be advanced by a data-dependent number of draws, so one
+    chunk's data would reach the next phase's output through it.)
+    """
+
+    def solve(self, phase: PhaseProblem, start: np.ndarray) -> SolverResult: ...
+
+
+class PhaseProblem:
+    """One phase's regularised problem on its chunk (see the module documentation).
+
+    Attributes: ``rows`` (the chunk's sample indices), ``m`` (its size), ``rho`` and ``centre`` (the added
+    regulariser, per block and as a flat point), ``moduli`` (``(mu_x, mu_y)`` of the regularised problem),
+    ``smoothness`` (Lipschitz constant of ``sample_operator`` plus ``public_operator``, without the
+    regulariser), ``target`` (the certificate the framework requires), ``rng`` (the solver's only source of
+    randomness, seeded independently of the data) and ``grad_evals`` (per-sample gradient evaluations so
+    far).
+    """
+
+    def __init__(self, problem: FiniteSumProblem, rows: np.ndarray, rho: tuple[float, float],
+                 centre: np.ndarray, target: float, rng: np.random.Generator) -> None:
+        self._problem = problem
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.rows.setflags(write=False)
+        self.m = int(self.rows.size)
+        self.dim_x, self.dim_y = int(problem.dim_x), int(problem.dim_y)
+        self.rho = (float(rho[0]), float(rho[1]) if self.dim_y else 0.0)
+        self.centre = np.asarray(centre, dtype=np.float64)
+        self.moduli = (problem.moduli[0] + self.rho[0],
+                       problem.moduli[1] + self.rho[1] if self.dim_y else 0.0)
+        self.smoothness = float(problem.smoothness + problem.public_smoothness)
+        self.target = float(target)
+        self.rng = rng
+        self.grad_evals = 0
+        self._rho_vec = np.concatenate([np.full(self.dim_x, self.rho[0]), np.full(self.dim_y, self.rho[1])])
+
+    @property
+    def dim(self) -> int:
+        return self.dim_x + self.dim_y
+
+    @property
+    def blocks(self) -> tuple[slice, ...]:
+        """Slices of ``x`` (and ``y``) in a flat point."""
+        x = slice(0, self.dim_x)
+        return (x, slice(self.dim_x, self.dim)) if self.dim_y else (x,)
+
+    def _domains(self) -> tuple[Domain, ...]:
+        return (self._problem.domain_x, self._problem.domain_y)[: len(self.blocks)]
+
+    def sample_operator(self, z: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """Mean data operator over the chunk positions ``batch`` (indices into ``rows``)."""
+        batch = np.asarray(batch)
+        self.grad_evals += int(batch.size)
+        return self._problem.sample_operator(z, self.rows[batch]).mean(axis=0)
+
+    def full_operator(self, z: np.ndarray) -> np.ndarray:
+        """Mean data operator over the whole chunk (``m`` gradient evaluations)."""
+        self.grad_evals += self.m
+        return self._problem.sample_operator(z, self.rows).mean(axis=0)
+
+    def public_operator(self, z: np.ndarray) -> np.ndarray:
+        """Operator of the public part ``P`` (no data, not counted)."""
+        return self._problem.public_operator(z)
+
+    def regulariser_operator(self, z: np.ndarray) -> np.ndarray:
+        """Operator of the added regulariser, ``rho * (z - centre)`` blockwise."""
+        return self._rho_vec * (z - self.centre)
+
+    def project(self, v: np.ndarray) -> np.ndarray:
+        """Projection onto ``X x Y``."""
+        out = np.empty_like(v)
+        for block, domain in zip(self.blocks, self._domains()):
+            out[block] = domain.project(v[block])
+        return out
+
+    def prox(self, v: np.ndarray, step: float) -> np.ndarray:
+        """``argmin_u step * R(u) + ||u - v||^2 / 2`` over ``X x Y``, ``R`` the added regulariser.
+
+        The regulariser is an isotropic quadratic in each block, so the constrained minimiser is the
+        projection of the unconstrained one.
+        """
+        return self.project((v + step * self._rho_vec * self.centre) / (1 + step * self._rho_vec))
+
+    def certify(self, z: np.ndarray, data_operator: np.ndarray | None = None) -> float:
+        """The certified weighted radius at ``z`` (a point of ``X x Y``): ``sqrt(sum_b ||w_b||^2 / mu_b)``.
+
+        ``data_operator`` is :meth:`full_operator` at ``z`` if the caller has it (else it is computed).
+        """
+        if data_operator is None:
+            data_operator = self.full_operator(z)
+        g = data_operator + self.public_operator(z) + self.regulariser_operator(z)
+        total = 0.0
+        for block, domain, mu in zip(self.blocks, self._domains(), self.moduli):
+            w = domain.residual(z[block], g[block])
+            total += float(w @ w) / mu
+        return math.sqrt(total) * _ROUNDING
+
+
+def split_rows(n: int, phases: int) -> Sequence[np.ndarray]:
+    """The deterministic partition of ``range(n)`` into ``phases`` contiguous chunks of near-equal size."""
+    return np.array_split(np.arange(n), phases)
+
+
+__all__ = [
+    "Ball",
+    "BaseSolver",
+    "Box",
+    "CertificateError",
+    "Domain",
+    "FiniteSumProblem",
+    "PhaseProblem",
+    "SolverResult",
+    "Whole",
+    "check_problem",
+    "split_rows",
+]
