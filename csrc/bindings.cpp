@@ -54,6 +54,8 @@ void philox_words_cuda(uint32_t*, int64_t, NoiseKey, void*) { require_cuda(); }
 }  // namespace dpvr
 #endif
 
+void bind_ghost(py::module_& m);  // bindings_ghost.cpp
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dpvr native core (fused per-sample clipping, accumulation and noise)";
   py::register_exception<dpvr::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
@@ -118,6 +120,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::call_guard<py::gil_scoped_release>());
 
+  bind_ghost(m);
   m.def("cuda_compiled", &dpvr::cuda_compiled);
   m.def("cuda_available", &dpvr::cuda_available);
   m.def("max_threads", &dpvr::max_threads);

@@ -16,6 +16,9 @@ CASES = textwrap.dedent(
     out = [np.zeros(3), np.zeros(2)]
     gen = dpvr.NoiseGenerator(seed=0, reproducible=True)
     ro = np.zeros(3); ro.setflags(write=False)
+    ops = dpvr.ops
+    sq, keys = np.zeros(4), np.zeros((4, 2), np.int64)
+    ro4 = np.zeros(4); ro4.setflags(write=False)
     cases = [
         ("clip zero", ValueError, "clip", lambda: dpvr.clip_accumulate(g, 0.0, out)),
         ("clip negative", ValueError, "clip", lambda: dpvr.clip_accumulate(g, -1.0, out)),
@@ -48,6 +51,28 @@ CASES = textwrap.dedent(
         ("generator", TypeError, "generator", lambda: dpvr.add_noise([np.zeros(3)], 1.0, generator=1, stream="a")),
         ("seed range", ValueError, "seed", lambda: dpvr.NoiseGenerator(seed=-1, reproducible=True)),
         ("cuda absent", ValueError, "CUDA", lambda: dpvr.ops.kernels._C.clip_accumulate(0, 0, 1, [(1, 1, 1, 1, 1)], [], [], 0, 0, 0, 1.0, 0, 0, 0)),
+        ("ghost norms_sq dtype", TypeError, "norms_sq", lambda: ops.ghost_norms(np.zeros(4, np.float32), dense=[g[0]])),
+        ("ghost norms_sq read-only", ValueError, "read-only", lambda: ops.ghost_norms(ro4, dense=[g[0]])),
+        ("ghost empty batch", ValueError, "empty", lambda: ops.ghost_norms(np.zeros(0), dense=[np.ones((0, 3))])),
+        ("ghost form", ValueError, "form", lambda: ops.ghost_norms(sq, outer=[[(g[0], g[1])]], form="fast")),
+        ("ghost not pieces", TypeError, "outer[0]", lambda: ops.ghost_norms(sq, outer=[g])),
+        ("ghost piece batch", ValueError, "outer[0][0].activations", lambda: ops.ghost_norms(sq, outer=[[(np.ones((5, 3)), g[1])]])),
+        ("ghost piece rank", ValueError, "outer[0][0].grads", lambda: ops.ghost_norms(sq, outer=[[(g[0], np.ones((4, 1, 1, 2)))]])),
+        ("ghost piece width", ValueError, "outer[0][1].activations", lambda: ops.ghost_norms(sq, outer=[[(g[0], g[1]), (g[1], g[1])]])),
+        ("ghost piece steps", ValueError, "outer[0][0]", lambda: ops.ghost_norms(sq, outer=[[(np.ones((4, 2, 3)), np.ones((4, 3, 2)))]])),
+        ("ghost mixed dtype", TypeError, "outer[0][0].grads", lambda: ops.ghost_norms(sq, outer=[[(g[0], g[1].astype(np.float32))]])),
+        ("ghost index term", TypeError, "index[0]", lambda: ops.ghost_norms(sq, index=[[(keys, np.ones((4, 2, 3)))]])),
+        ("ghost index dtype", TypeError, "index[0][0].indices", lambda: ops.ghost_norms(sq, index=[ops.IndexTerm([(keys.astype(float), np.ones((4, 2, 3)))])])),
+        ("ghost index steps", ValueError, "index[0][0]", lambda: ops.ghost_norms(sq, index=[ops.IndexTerm([(keys, np.ones((4, 3, 3)))])])),
+        ("ghost dense batch", ValueError, "dense[0]", lambda: ops.ghost_norms(sq, dense=[np.ones((5, 3))])),
+        ("ghost cuda", ValueError, "device", lambda: dpvr.ops.ghost._C.ghost_norms(0, 0, 4, [], [], [], 1)),
+        ("factors clip", ValueError, "clip", lambda: ops.clip_factors(sq, 0.0, np.zeros(4), columns=3)),
+        ("factors columns", ValueError, "columns", lambda: ops.clip_factors(sq, 1.0, np.zeros(4), columns=-1)),
+        ("factors shape", ValueError, "factors", lambda: ops.clip_factors(sq, 1.0, np.zeros(3), columns=3)),
+        ("factors dtype", TypeError, "factors", lambda: ops.clip_factors(sq, 1.0, np.zeros(4, int), columns=3)),
+        ("factors weights", TypeError, "weights", lambda: ops.clip_factors(sq, 1.0, np.zeros(4), columns=3, weights=np.ones(4, np.float32))),
+        ("factors norms_sq", TypeError, "norms_sq", lambda: ops.clip_factors(np.ones(4, np.float32), 1.0, np.zeros(4), columns=3)),
+        ("factors policy", ValueError, "nonfinite", lambda: ops.clip_factors(sq, 1.0, np.zeros(4), columns=3, nonfinite="skip")),
     ]
     failures = []
     for name, exc, fragment, call in cases:

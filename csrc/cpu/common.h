@@ -1,8 +1,10 @@
-// Helpers shared by the CPU kernels: OpenMP shims and the column space of a list of tensors.
+// Helpers shared by the CPU kernels: OpenMP shims, the column space of a list of tensors, and the clip rule.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -58,6 +60,42 @@ inline std::vector<Piece> pieces_of(const std::vector<int64_t>& widths, int64_t 
 template <typename T>
 constexpr double unit_roundoff() {
   return sizeof(T) == 4 ? 5.9604644775390625e-08 : 1.1102230246251565e-16;
+}
+
+constexpr int64_t kBlock = 32;  // float32 squares summed in float before going to double
+
+// Relative bound on the error of a computed norm plus the rounding of the clipped entries to T. Clipping to
+// C * (1 - margin) keeps every clipped vector's norm <= C after rounding (tests check this with exact sums).
+// Every clip factor of the CPU backend (clip-accumulate and clip_factors) uses this one rule.
+template <typename T>
+double clip_margin(int64_t columns, int threads) {
+  const double chain = static_cast<double>(columns / (sizeof(T) == 4 ? kBlock : 1) + threads + 8);
+  const double in_t = sizeof(T) == 4 ? static_cast<double>(kBlock + 8) : 2.0;
+  return in_t * unit_roundoff<T>() + chain * unit_roundoff<double>();
+}
+
+// The clip factor of one sample from the norm n of its unweighted vector and its weight: f multiplies the
+// unweighted vector (0 marks a non-finite sample, which then contributes nothing) and `norm` is the reported
+// norm of the weighted vector (NaN for a non-finite sample). target = C * (1 - clip_margin).
+inline void clip_factor(double n, double weight, double target, double& f, double& norm) {
+  n *= std::fabs(weight);
+  if (!std::isfinite(n) || !std::isfinite(weight)) {
+    f = 0.0;
+    norm = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
+  norm = n;
+  f = (n > target) ? weight * (target / n) : weight;
+}
+
+// Whether the AVX2 + FMA copies of the kernels can run on this CPU.
+inline bool use_avx2() {
+#ifdef DPVR_HAVE_AVX2
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
 }
 
 }  // namespace cpu

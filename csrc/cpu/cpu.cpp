@@ -15,15 +15,6 @@ void noisy_update_avx2(const UpdateArgs& a);
 #endif
 
 namespace {
-bool use_avx2() {
-#ifdef DPVR_HAVE_AVX2
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 int64_t clip_pass(const ClipArgs& a, bool write) {
 #ifdef DPVR_HAVE_AVX2
   if (use_avx2()) return clip_accumulate_avx2(a, write);

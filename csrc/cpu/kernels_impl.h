@@ -25,21 +25,10 @@ namespace dpvr {
 namespace cpu {
 namespace DPVR_ISA {
 
-
-
-constexpr int64_t kCacheBudgetPerThread = 4 << 20;  // bytes of per-sample data per thread kept in L2/L3 between passes
+constexpr int64_t kCacheBudgetPerThread = 4 << 20;  // per-sample bytes per thread kept in cache between passes
 constexpr int64_t kNarrowColumns = 8192;               // at or below this, prefer the sample-parallel schedule
 constexpr int64_t kTile = 1024;                        // columns accumulated per tile (output tile stays in L1)
-constexpr int64_t kBlock = 32;                         // float32 squares summed in float before going to double
-
-// Relative bound on the error of a computed norm plus the rounding of the clipped entries to T. Clipping to
-// C * (1 - margin) keeps every clipped vector's norm <= C after rounding (tests check this with exact sums).
-template <typename T>
-double clip_margin(int64_t columns, int threads) {
-  const double chain = static_cast<double>(columns / (sizeof(T) == 4 ? kBlock : 1) + threads + 8);
-  const double in_t = sizeof(T) == 4 ? static_cast<double>(kBlock + 8) : 2.0;
-  return in_t * unit_roundoff<T>() + chain * unit_roundoff<double>();
-}
+constexpr int64_t kSerialBelow = 1 << 16;              // less work than this (elements) runs on one thread
 
 // The per-sample vector u_i (plain: g_i, whose weight scales the norm; difference: a_i g_i - b_i h_i), computed
 // in T by the same expression in the norm pass and the accumulation pass, so the vector that is added is
@@ -162,15 +151,7 @@ struct Clipper {
   inline void factor(const S& src, int64_t i, double sumsq, double weight, double& f, double& norm) const {
     double n = std::sqrt(sumsq);
     if (!std::isfinite(n)) n = src.robust_norm(i);
-    n *= std::fabs(weight);
-    if (!std::isfinite(n) || !std::isfinite(weight)) {
-      f = 0.0;
-      norm = std::numeric_limits<double>::quiet_NaN();
-      return;
-    }
-    norm = n;
-    const double target = clip * (1.0 - margin);
-    f = (n > target) ? weight * (target / n) : weight;
+    clip_factor(n, weight, clip * (1.0 - margin), f, norm);
   }
 };
 
@@ -192,7 +173,7 @@ int64_t run(const ClipArgs& args, bool write) {
   if (D <= kNarrowColumns && B >= 2 * nt) {
     // Sample-parallel schedule with private double accumulators.
     std::vector<double> acc(accumulate ? static_cast<size_t>(nt) * D : 0, 0.0);
-#pragma omp parallel reduction(+ : nonfinite)
+#pragma omp parallel reduction(+ : nonfinite) if (B * D >= kSerialBelow)
     {
       const int t = thread_id(), team = team_size();
       double* mine = accumulate ? acc.data() + static_cast<size_t>(t) * D : nullptr;
@@ -215,7 +196,7 @@ int64_t run(const ClipArgs& args, bool write) {
     }
     if (accumulate) {
       const int64_t total = D;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (D * nt >= kSerialBelow)
       for (int64_t c = 0; c < total; ++c) {
         double s = 0.0;
         for (int t = 0; t < nt; ++t) s += acc[static_cast<size_t>(t) * D + c];
@@ -234,7 +215,7 @@ int64_t run(const ClipArgs& args, bool write) {
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, kCacheBudgetPerThread * nt /
                                                                      std::max<int64_t>(1, bytes_per_sample)));
   std::vector<double> partial(2 * static_cast<size_t>(nt) * chunk, 0.0);
-#pragma omp parallel reduction(+ : nonfinite)
+#pragma omp parallel reduction(+ : nonfinite) if (B * D >= kSerialBelow)
   {
     const int t = thread_id(), team = team_size();
     const std::vector<Piece> mine = pieces_of(widths, D * t / team, D * (t + 1) / team);
@@ -294,7 +275,7 @@ void update(const UpdateArgs& a) {
   const int nt = thread_count();
   std::vector<double> partial(nt, 0.0);
 
-#pragma omp parallel
+#pragma omp parallel if (D >= kSerialBelow)
   {
     const int t = thread_id(), team = team_size();
     double z[kNoiseTile];

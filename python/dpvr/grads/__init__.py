@@ -2,8 +2,11 @@
 
 :func:`per_sample_grads` materialises one gradient per sample (``B × d`` memory);
 :func:`per_sample_grads_at_two_points` does so at two parameter points for gradient-difference estimators.
+:class:`GhostClipper` forms clipped sums of per-sample gradients and of same-sample gradient differences from
+layer activations and output gradients, without per-sample gradients ("ghost clipping").
 """
 
+from .ghost import ClippedSum, GhostClipper
 from .materialized import (
     Grads,
     LossFn,
@@ -12,4 +15,12 @@ from .materialized import (
     trainable_parameters,
 )
 
-__all__ = ["Grads", "LossFn", "per_sample_grads", "per_sample_grads_at_two_points", "trainable_parameters"]
+__all__ = [
+    "ClippedSum",
+    "GhostClipper",
+    "Grads",
+    "LossFn",
+    "per_sample_grads",
+    "per_sample_grads_at_two_points",
+    "trainable_parameters",
+]

@@ -1,6 +1,7 @@
 """Typed, zero-copy wrappers over the native kernels (layer ``ops``: imports nothing above it)."""
 
 from .. import _C
+from .ghost import NORM_FORMS, IndexTerm, clip_factors, ghost_norms
 from .kernels import (
     NONFINITE_POLICIES,
     add_noise,
@@ -24,6 +25,8 @@ def backends() -> dict[str, bool]:
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "NORM_FORMS",
+    "IndexTerm",
     "NoiseGenerator",
     "NoiseKey",
     "PredictableNoiseWarning",
@@ -31,6 +34,8 @@ __all__ = [
     "backends",
     "clip_accumulate",
     "clip_accumulate_diff",
+    "clip_factors",
+    "ghost_norms",
     "noisy_update",
     "per_sample_norms",
     "philox_words",
