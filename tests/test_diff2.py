@@ -193,6 +193,31 @@ def test_calibrated_run_spends_its_target(clients):
             assert spent == pytest.approx(3.0, rel=1e-3)
 
 
+def test_calibrated_bvr_l_sgd_charges_only_the_busiest_clients_local_steps(clients):
+    """Each record sees its own client's local steps only: (K - 1) ceil(R/P) of them, not (K - 1) R."""
+    alg = DIFF2(
+        model_fn(),
+        loss,
+        clients,
+        lr=0.05,
+        rounds=8,
+        restart=4,
+        clip1=1.0,
+        clip2=1.0,
+        routine="bvr-l-sgd",
+        local_steps=3,
+        local_batch=5,
+        clip3=1.0,
+        epsilon=3.0,
+        delta=1e-5,
+        sampler_seed=0,
+        generator=gen(),
+    )
+    alg.run(progress=False)  # charging every client's local steps exhausted the budget after a few rounds
+    assert alg.steps_done == 8
+    assert alg.privacy_spent().epsilon == pytest.approx(3.0, rel=1e-3)
+
+
 def test_bad_arguments(clients):
     with pytest.raises(ValueError, match="clip1"):
         DIFF2(
@@ -216,3 +241,20 @@ def test_bad_arguments(clients):
         DIFF2(model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=1, clip2=1, sigma1=1.0)
     with pytest.raises(ValueError, match="clients"):
         DIFF2(model_fn(), loss, [], lr=0.1, rounds=5, restart=2, clip1=1, clip2=1, sigma1=1, sigma2=1)
+
+
+@pytest.mark.parametrize("routine", ["gd", "bvr-l-sgd"])
+def test_ghost_and_materialised_runs_agree(clients, routine):
+    options = dict(
+        lr=0.2, rounds=6, restart=3, clip1=0.3, clip2=0.5, sigma1=0.01, sigma2=0.02, sampler_seed=2
+    )
+    if routine == "bvr-l-sgd":
+        options.update(routine=routine, local_steps=3, local_batch=5, clip3=1.0, sigma3=0.05)
+    runs = {}
+    for mode in ("auto", "materialised"):
+        alg = DIFF2(model_fn(), loss, clients, generator=gen(11), grad_mode=mode, **options)
+        alg.run(progress=False)
+        runs[alg.gradients.mode] = alg.params
+    assert set(runs) == {"ghost", "materialised"}
+    for a, b in zip(runs["ghost"], runs["materialised"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -42,6 +42,9 @@ class DIFF2(PrivateAlgorithm):
     ``epsilon`` to calibrate them jointly (``calibration="tight"``) or by Proposition 4.1 (``"paper"``, with
     ``u``).
 
+    Gradients: ``grad_mode="auto"`` uses ghost clipping (no per-sample gradient tensor) where the model
+    allows and materialised per-sample gradients otherwise; ``self.gradients.mode`` says which was used.
+
     Output: the last iterate (the model's parameters); ``output="random"`` (GD routine) keeps the paper's
     uniformly random iterate ``x_{r-1}``, ``r ~ Unif[R]``, in :attr:`output_params`.
     """
@@ -75,6 +78,7 @@ class DIFF2(PrivateAlgorithm):
         generator: ops.NoiseGenerator | None = None,
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
+        grad_mode: str = "auto",
     ) -> None:
         if not clients:
             raise ValueError("clients: at least one (inputs, targets) shard is required")
@@ -125,7 +129,7 @@ class DIFF2(PrivateAlgorithm):
         self.lr, self.rounds, self.restart = float(lr), int(rounds), int(restart)
         self.clip1, self.clip2, self.clip3 = float(clip1), float(clip2), clip3
         self.routine, self.local_steps, self.output = routine, local_steps, output
-        self.gradients = ClippedGradients(model, loss_fn, chunk_size=chunk_size)
+        self.gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
         zeros = lambda: [torch.zeros_like(f) for f in self.flat]  # noqa: E731
         self._v, self._agg, self._tmp = zeros(), zeros(), zeros()
         self._prev = [p.detach().clone() for p in self.params]  # x_{r-2} at the start of round r

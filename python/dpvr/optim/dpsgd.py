@@ -32,6 +32,9 @@ class DPSGD(PrivateAlgorithm):
     :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Give ``noise_multiplier``,
     or ``epsilon`` to calibrate it for the whole ``steps``.
 
+    ``grad_mode="auto"`` uses ghost clipping where the model allows (``self.gradients.mode`` says which
+    path ran); ``"materialised"`` forces per-sample gradients.
+
     ``sampling="cyclic"`` is Algorithm 1 of Kong & Ribero: disjoint batches in a fixed order,
     ``x <- prox_{lr h}(x - lr g + N(0, sigma^2 I))`` with ``h`` given by ``prox`` (:class:`~dpvr.optim.L1`,
     :class:`~dpvr.optim.ElasticNet`, :class:`~dpvr.optim.L2Ball`), and only the *last iterate* released. It is
@@ -66,6 +69,7 @@ class DPSGD(PrivateAlgorithm):
         generator: ops.NoiseGenerator | None = None,
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
+        grad_mode: str = "auto",
         prox: object | None = None,
         weak_convexity: float | None = None,
         smoothness: float | None = None,
@@ -117,7 +121,7 @@ class DPSGD(PrivateAlgorithm):
         self.inputs, self.targets = inputs, targets
         self.lr, self.clip, self.steps, self.prox = float(lr), float(clip), int(steps), prox
         self.clipping = clipping or not self.last_iterate_only
-        self.gradients = ClippedGradients(model, loss_fn, chunk_size=chunk_size)
+        self.gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self._v = [torch.zeros_like(f) for f in self.flat]
 

@@ -1,7 +1,9 @@
 """Clipped sums of per-sample gradients and of same-sample gradient differences, for the algorithms.
 
 The algorithms ask for "the clipped sum over these samples at this point" and never see per-sample
-gradients; this module decides how to compute it.
+gradients; this module decides how to compute it: ghost clipping (:class:`dpvr.grads.GhostClipper`, no
+per-sample gradient tensor; unsupported layers fall back to materialised gradients in the same step) where
+the model allows, materialised per-sample gradients and the fused kernels otherwise.
 """
 
 from __future__ import annotations
@@ -12,20 +14,30 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..grads import per_sample_grads, per_sample_grads_at_two_points
+from ..grads import GhostClipper, per_sample_grads, per_sample_grads_at_two_points
+
+MODES = ("auto", "ghost", "materialised")
 
 
 class ClippedGradients:
     """Per-sample clipping for one model and per-sample loss (``loss_fn(output, target)`` on one sample).
 
-    Every sum adds, for each sample, a vector of L2 norm at most ``clip`` (the native kernels guarantee it
-    after rounding); non-finite samples contribute nothing. ``mode`` names how gradients are obtained.
+    Every sum adds, for each sample, a vector of L2 norm at most ``clip`` (both paths use the native clip
+    rule, which holds after rounding); non-finite samples contribute nothing. ``mode`` says which path is
+    used: ``"ghost"``, ``"mixed"`` (ghost with fallback layers) or ``"materialised"``.
     """
 
-    mode = "materialised"
-
-    def __init__(self, model: nn.Module, loss_fn, *, chunk_size: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn, *, mode: str = "auto", chunk_size: int | None = None
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"grad_mode: must be one of {MODES}, got {mode!r}")
         self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
+        on_host = all(p.device.type == "cpu" for p in model.parameters())
+        if mode == "ghost" and not on_host:
+            raise ValueError("grad_mode='ghost': ghost clipping runs on the host only for now")
+        self._ghost = GhostClipper(model, loss_fn) if mode != "materialised" and on_host else None
+        self.mode = self._ghost.mode if self._ghost is not None else "materialised"
 
     def sum(
         self,
@@ -39,6 +51,9 @@ class ClippedGradients:
         """``out += sum_i clip_C(grad l(point; z_i))``; returns the number of non-finite samples."""
         if len(inputs) == 0:
             return 0
+        if self._ghost is not None:
+            result = self._ghost.clipped_sum(inputs, targets, clip, params=point)
+            return self._add(result.sums, result.norms, out, norms)
         grads = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
         )
@@ -56,7 +71,18 @@ class ClippedGradients:
         """``out += sum_i clip_C(grad l(point; z_i) - grad l(previous; z_i))``, the same sample at both."""
         if len(inputs) == 0:
             return 0
+        if self._ghost is not None:
+            result = self._ghost.clipped_diff_sum(inputs, targets, list(point), list(previous), clip)
+            return self._add(result.sums, result.norms, out, None)
         now, before = per_sample_grads_at_two_points(
             self.model, self.loss_fn, inputs, targets, list(point), list(previous), chunk_size=self.chunk_size
         )
         return int(ops.clip_accumulate_diff(now, before, clip, list(out)))
+
+    @staticmethod
+    def _add(sums, sample_norms, out, norms) -> int:
+        for o, s in zip(out, sums):
+            o.add_(s.reshape(-1))
+        if norms is not None:
+            norms.copy_(sample_norms)
+        return int(torch.isnan(sample_norms).sum())

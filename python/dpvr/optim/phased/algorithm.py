@@ -121,8 +121,10 @@ def gaussian_ratio(epsilon: float, delta: float, gaussian: str = "analytic") -> 
         raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
     if gaussian == "classic":
         if epsilon > 1:
-            raise ValueError(f"the classic Gaussian mechanism needs epsilon <= 1 per release, got {epsilon}; "
-                             "use gaussian='analytic'")
+            raise ValueError(
+                f"the classic Gaussian mechanism needs epsilon <= 1 per release, got {epsilon}; "
+                "use gaussian='analytic'"
+            )
         return math.sqrt(2 * math.log(1.25 / delta)) / epsilon
     if gaussian == "analytic":
         return float(dpa.get_sigma_gaussian(epsilon, delta)) * (1 + 1e-9)
@@ -153,8 +155,17 @@ def release_ratio(setting: str, epsilon: float, delta: float, gaussian: str = "a
     return gaussian_ratio(epsilon / releases, delta / releases, gaussian)
 
 
-def paper_mu(setting: str, *, lipschitz: float, radius: float, n: int, dim: int, epsilon: float,
-             delta: float, phases: int) -> float:
+def paper_mu(
+    setting: str,
+    *,
+    lipschitz: float,
+    radius: float,
+    n: int,
+    dim: int,
+    epsilon: float,
+    delta: float,
+    phases: int,
+) -> float:
     """The paper's base regulariser ``mu`` for the phased settings (``log n`` taken as ``phases``).
 
     ``c`` (Theorem 3.7): ``(L/D) max(1/sqrt n, 14 K sqrt(d log(2.5/delta)) / (n eps))``; ``c-c`` (Theorem
@@ -255,23 +266,40 @@ class PhasedOutputPerturbation:
             solver's own certificate code. The built-in solvers' certificate is that same computation.
     """
 
-    def __init__(self, setting: str, *, epsilon: float, delta: float, solver: BaseSolver | None = None,
-                 mu: float | None = None, radius: float | None = None, phases: int | None = None,
-                 tolerance: float = 0.05, gaussian: str = "analytic", accountant: Accountant | None = None,
-                 generator: NoiseGenerator | None = None, seed: int | None = None,
-                 x0: ArrayLike | None = None, y0: ArrayLike | None = None, verify: bool = True) -> None:
+    def __init__(
+        self,
+        setting: str,
+        *,
+        epsilon: float,
+        delta: float,
+        solver: BaseSolver | None = None,
+        mu: float | None = None,
+        radius: float | None = None,
+        phases: int | None = None,
+        tolerance: float = 0.05,
+        gaussian: str = "analytic",
+        accountant: Accountant | None = None,
+        generator: NoiseGenerator | None = None,
+        seed: int | None = None,
+        x0: ArrayLike | None = None,
+        y0: ArrayLike | None = None,
+        verify: bool = True,
+    ) -> None:
         if setting not in SETTINGS:
             raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
         phased = _RUNS[setting][0].phased
         for name, value in (("mu", mu), ("radius", radius), ("phases", phases)):
             if value is not None and not phased:
-                raise ValueError(f"{name} is used only by the phased settings ('c', 'c-c', 'c-sc'), "
-                                 f"not by {setting!r}")
+                raise ValueError(
+                    f"{name} is used only by the phased settings ('c', 'c-c', 'c-sc'), not by {setting!r}"
+                )
         if phases is not None and (isinstance(phases, bool) or int(phases) != phases or phases < 1):
             raise ValueError(f"phases must be an integer >= 1, got {phases!r}")
         if accountant is not None and accountant.neighbouring != "replace-one":
-            raise ValueError("accountant must use neighbouring='replace-one' (the phased sensitivities are "
-                             f"replace-one stability bounds), got {accountant.neighbouring!r}")
+            raise ValueError(
+                "accountant must use neighbouring='replace-one' (the phased sensitivities are "
+                f"replace-one stability bounds), got {accountant.neighbouring!r}"
+            )
         if generator is not None and not isinstance(generator, NoiseGenerator):
             raise ValueError(f"generator must be a dpvr NoiseGenerator, got {type(generator).__name__}")
         if seed is not None and (isinstance(seed, bool) or int(seed) != seed or seed < 0):
@@ -306,12 +334,17 @@ class PhasedOutputPerturbation:
         check_problem(problem)
         self._check_setting(problem)
         n, dims = int(problem.n), (int(problem.dim_x), int(problem.dim_y))
-        start = [self._start(problem.domain_x, self._x0, dims[0], "x0"),
-                 self._start(problem.domain_y, self._y0, dims[1], "y0")]
+        start = [
+            self._start(problem.domain_x, self._x0, dims[0], "x0"),
+            self._start(problem.domain_y, self._y0, dims[1], "y0"),
+        ]
         phases = self._phase_count(n)
         mu = self._base_mu(problem, phases)
-        solver = self.solver if self.solver is not None else (
-            VRExtragradientSolver() if dims[1] else KatyushaSolver())
+        solver = (
+            self.solver
+            if self.solver is not None
+            else (VRExtragradientSolver() if dims[1] else KatyushaSolver())
+        )
         released: dict[int, np.ndarray] = {}
         for index, spec in enumerate(_RUNS[self.setting]):
             points = [np.asarray(p, dtype=np.float64) for p in self._points.get(index, start)]
@@ -321,11 +354,28 @@ class PhasedOutputPerturbation:
                 if k > done:
                     points = self._phase(problem, solver, index, spec, k, rows, points, mu)
             released.update({b: points[b] for b in spec.released})
-        return PhasedResult(self.setting, self.epsilon, self.delta, released.get(0),
-                            released.get(1), self.accountant, dict(self._noise), list(self._records))
+        return PhasedResult(
+            self.setting,
+            self.epsilon,
+            self.delta,
+            released.get(0),
+            released.get(1),
+            self.accountant,
+            dict(self._noise),
+            list(self._records),
+        )
 
-    def _phase(self, problem: FiniteSumProblem, solver: BaseSolver, index: int, spec: _Run, k: int,
-               rows: np.ndarray, points: list[np.ndarray], mu: float | None) -> list[np.ndarray]:
+    def _phase(
+        self,
+        problem: FiniteSumProblem,
+        solver: BaseSolver,
+        index: int,
+        spec: _Run,
+        k: int,
+        rows: np.ndarray,
+        points: list[np.ndarray],
+        mu: float | None,
+    ) -> list[np.ndarray]:
         """Solve phase ``k`` of run ``index``, certify, release; return the run's new (x, y)."""
         rho = [0.0, 0.0]
         if spec.phased:
@@ -336,15 +386,23 @@ class PhasedOutputPerturbation:
         centre = np.concatenate(points)
         moduli = [problem.moduli[b] + rho[b] for b in range(2 if problem.dim_y else 1)]
         exact = 2 * problem.lipschitz / (rows.size * math.sqrt(min(moduli)))
-        phase = PhaseProblem(problem, rows, (rho[0], rho[1]), centre, self.tolerance * exact,
-                             np.random.default_rng([self.seed, index, k]))
+        phase = PhaseProblem(
+            problem,
+            rows,
+            (rho[0], rho[1]),
+            centre,
+            self.tolerance * exact,
+            np.random.default_rng([self.seed, index, k]),
+        )
         result = solver.solve(phase, centre.copy())
         point = np.asarray(result.point, dtype=np.float64)
         radius = float(result.radius)
         if point.shape != (phase.dim,) or not np.all(np.isfinite(point)):
-            raise CertificateError(f"run {index}, phase {k}: the solver returned a point of shape "
-                                   f"{point.shape} (finite: {bool(np.all(np.isfinite(point)))}); expected a "
-                                   f"finite point of shape ({phase.dim},)")
+            raise CertificateError(
+                f"run {index}, phase {k}: the solver returned a point of shape "
+                f"{point.shape} (finite: {bool(np.all(np.isfinite(point)))}); expected a "
+                f"finite point of shape ({phase.dim},)"
+            )
         # Projecting onto X x Y never moves a point away from the (feasible) solution, so the solver's
         # certificate still holds, and the recomputed one needs a feasible point.
         point = phase.project(point)
@@ -354,7 +412,8 @@ class PhasedOutputPerturbation:
             raise CertificateError(
                 f"run {index}, phase {k}: the solver certified a radius of {radius:.3g}, above the target "
                 f"{phase.target:.3g}, after {phase.grad_evals} gradient evaluations; nothing was released "
-                "(raise the solver's budget, or the tolerance)")
+                "(raise the solver's budget, or the tolerance)"
+            )
         points = list(points)
         sensitivity, sigma = {}, {}
         for b in spec.released:
@@ -366,9 +425,20 @@ class PhasedOutputPerturbation:
             points[b] = (problem.domain_x, problem.domain_y)[b].project(noisy)
             if k == 1:
                 self._record(name, output_perturbation_multiplier(sigma[name], sensitivity[name]))
-        self._records.append(PhaseRecord(
-            index, k, (int(rows[0]), int(rows[-1]) + 1), (rho[0], rho[1]),
-            (phase.moduli[0], phase.moduli[1]), phase.target, radius, sensitivity, sigma, phase.grad_evals))
+        self._records.append(
+            PhaseRecord(
+                index,
+                k,
+                (int(rows[0]), int(rows[-1]) + 1),
+                (rho[0], rho[1]),
+                (phase.moduli[0], phase.moduli[1]),
+                phase.target,
+                radius,
+                sensitivity,
+                sigma,
+                phase.grad_evals,
+            )
+        )
         self._points[index] = [p.tolist() for p in points]
         return points
 
@@ -380,9 +450,11 @@ class PhasedOutputPerturbation:
         self.accountant.record(attribution, event)
         for text in self._plan.mechanism(noise).assumptions:
             self.accountant.assume(text)
-        self.accountant.assume("every per-sample loss is L-Lipschitz on the domain, the empirical objective "
-                               "has the declared strong convexity/concavity moduli, and the base solver's "
-                               "randomness is independent of the data")
+        self.accountant.assume(
+            "every per-sample loss is L-Lipschitz on the domain, the empirical objective "
+            "has the declared strong convexity/concavity moduli, and the base solver's "
+            "randomness is independent of the data"
+        )
         self._noise[name] = multiplier
 
     # -- inputs ------------------------------------------------------------------------------------------
@@ -395,8 +467,10 @@ class PhasedOutputPerturbation:
         mu_x, mu_y = problem.moduli
         needs = {"sc": mu_x > 0, "sc-sc": mu_x > 0 and mu_y > 0, "c-sc": mu_y > 0}
         if not needs.get(self.setting, True):
-            raise ValueError(f"problem: setting {self.setting!r} needs positive moduli "
-                             f"(strong convexity/concavity), got {problem.moduli}")
+            raise ValueError(
+                f"problem: setting {self.setting!r} needs positive moduli "
+                f"(strong convexity/concavity), got {problem.moduli}"
+            )
 
     def _phase_count(self, n: int) -> int:
         if not _RUNS[self.setting][0].phased:
@@ -410,11 +484,20 @@ class PhasedOutputPerturbation:
         if not _RUNS[self.setting][0].phased or self.mu is not None:
             return self.mu
         if self.radius is None:
-            raise ValueError(f"mu: setting {self.setting!r} needs mu, or radius (a norm bound D) to set it "
-                             "as in the paper")
+            raise ValueError(
+                f"mu: setting {self.setting!r} needs mu, or radius (a norm bound D) to set it as in the paper"
+            )
         dim = problem.dim_x if self.setting != "c-c" else max(problem.dim_x, problem.dim_y)
-        return paper_mu(self.setting, lipschitz=problem.lipschitz, radius=self.radius, n=problem.n, dim=dim,
-                        epsilon=self.epsilon, delta=self.delta, phases=phases)
+        return paper_mu(
+            self.setting,
+            lipschitz=problem.lipschitz,
+            radius=self.radius,
+            n=problem.n,
+            dim=dim,
+            epsilon=self.epsilon,
+            delta=self.delta,
+            phases=phases,
+        )
 
     @staticmethod
     def _start(domain: Any, value: ArrayLike | None, dim: int, name: str) -> np.ndarray:
@@ -448,8 +531,12 @@ class PhasedOutputPerturbation:
         if state["setting"] != self.setting:
             raise ValueError(f"state is for setting {state['setting']!r}, this run is {self.setting!r}")
         self.seed = int(state["seed"])
-        self._records = [PhaseRecord(**{**r, "rows": tuple(r["rows"]), "rho": tuple(r["rho"]),
-                                        "moduli": tuple(r["moduli"])}) for r in state["records"]]
+        self._records = [
+            PhaseRecord(
+                **{**r, "rows": tuple(r["rows"]), "rho": tuple(r["rho"]), "moduli": tuple(r["moduli"])}
+            )
+            for r in state["records"]
+        ]
         self._points = {int(k): v for k, v in state["points"].items()}
         self._noise = dict(state["noise_multipliers"])
         self.accountant.load_state_dict(state["accountant"])

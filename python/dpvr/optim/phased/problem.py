@@ -208,8 +208,15 @@ class PhaseProblem:
     far).
     """
 
-    def __init__(self, problem: FiniteSumProblem, rows: np.ndarray, rho: tuple[float, float],
-                 centre: np.ndarray, target: float, rng: np.random.Generator) -> None:
+    def __init__(
+        self,
+        problem: FiniteSumProblem,
+        rows: np.ndarray,
+        rho: tuple[float, float],
+        centre: np.ndarray,
+        target: float,
+        rng: np.random.Generator,
+    ) -> None:
         self._problem = problem
         self.rows = np.asarray(rows, dtype=np.int64)
         self.rows.setflags(write=False)
@@ -217,8 +224,10 @@ class PhaseProblem:
         self.dim_x, self.dim_y = int(problem.dim_x), int(problem.dim_y)
         self.rho = (float(rho[0]), float(rho[1]) if self.dim_y else 0.0)
         self.centre = np.asarray(centre, dtype=np.float64)
-        self.moduli = (problem.moduli[0] + self.rho[0],
-                       problem.moduli[1] + self.rho[1] if self.dim_y else 0.0)
+        self.moduli = (
+            problem.moduli[0] + self.rho[0],
+            problem.moduli[1] + self.rho[1] if self.dim_y else 0.0,
+        )
         self.smoothness = float(problem.smoothness + problem.public_smoothness)
         self.target = float(target)
         self.rng = rng

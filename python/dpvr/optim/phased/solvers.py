@@ -31,8 +31,9 @@ class _Loopless:
     """Shared parts: batch size and budget. Randomness comes from ``phase.rng`` (see :class:`BaseSolver`)."""
 
     def __init__(self, batch_size: int | None, max_passes: float) -> None:
-        if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size
-                                       or batch_size < 1):
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1
+        ):
             raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
         self.batch_size = batch_size
         self.max_passes = _check("max_passes", max_passes)
@@ -80,8 +81,13 @@ class KatyushaSolver(_Loopless):
         while best.radius > phase.target and phase.grad_evals < budget:
             x = theta1 * z + theta2 * w + (1 - theta1 - theta2) * y
             batch = phase.rng.integers(phase.m, size=b)
-            g = (full + phase.sample_operator(x, batch) - phase.sample_operator(w, batch)
-                 + phase.public_operator(x) + phase.regulariser_operator(x))
+            g = (
+                full
+                + phase.sample_operator(x, batch)
+                - phase.sample_operator(w, batch)
+                + phase.public_operator(x)
+                + phase.regulariser_operator(x)
+            )
             z_next = phase.project(shrink * (eta * sigma * x + z - step * g))
             y_next = x + theta1 * (z_next - z)
             if phase.rng.random() < p:
@@ -109,8 +115,9 @@ class VRExtragradientSolver(_Loopless):
     Works for minimisation phases too (``F`` is then a gradient).
     """
 
-    def __init__(self, *, batch_size: int | None = None, max_passes: float = 500.0,
-                 gamma: float = 0.95) -> None:
+    def __init__(
+        self, *, batch_size: int | None = None, max_passes: float = 500.0, gamma: float = 0.95
+    ) -> None:
         super().__init__(batch_size, max_passes)
         self.gamma = _check("gamma", gamma, upper=1.0)
 
@@ -132,8 +139,12 @@ class VRExtragradientSolver(_Loopless):
             zbar = alpha * z + (1 - alpha) * w
             z_half = phase.prox(zbar - tau * op_w, tau)
             batch = phase.rng.integers(phase.m, size=b)
-            estimate = (full + phase.sample_operator(z_half, batch) - phase.sample_operator(w, batch)
-                        + phase.public_operator(z_half))
+            estimate = (
+                full
+                + phase.sample_operator(z_half, batch)
+                - phase.sample_operator(w, batch)
+                + phase.public_operator(z_half)
+            )
             z = phase.prox(zbar - tau * estimate, tau)
             if phase.rng.random() < p:
                 w = z
