@@ -9,12 +9,16 @@ Methods, all timed in one run with the rounds interleaved (see :func:`~.timing.i
                             radius C2 * ||x_r - x_{r-1}||, + fused noisy estimator update and step;
   dpvr-diff2-materialised   the same round from materialised per-sample gradients at both points
                             (per_sample_grads_at_two_points + clip_accumulate_diff).
-Every record has ``ms`` and ``ratio_vs_non_private``; dpvr's records also ``ratio_vs_opacus_ghost``.
+Every record has ``ms`` and ``ratio_vs_non_private``; dpvr's records also ``ratio_vs_opacus_ghost`` and
+``native_share``, the fraction of the step spent inside the native core (measured on separate rounds with
+every call into ``dpvr._C`` timed). On a batch of 512 that is the whole dataset, ``dpvr-dp-sgd-ghost`` is a
+DP-GD round.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Callable
 
@@ -61,13 +65,19 @@ def _opacus_ghost(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], None] 
         from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
     except ImportError:
         return None
-    module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True,
-                                                  loss_reduction="mean")
-    optimizer = DPOptimizerFastGradientClipping(torch.optim.SGD(module.parameters(), lr=LR),
-                                                noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                                expected_batch_size=BATCH, loss_reduction="mean")
-    criterion = DPLossFastGradientClipping(module, optimizer, nn.MSELoss(reduction="mean"),
-                                           loss_reduction="mean")
+    module = GradSampleModuleFastGradientClipping(
+        model, max_grad_norm=CLIP, use_ghost_clipping=True, loss_reduction="mean"
+    )
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(module.parameters(), lr=LR),
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        expected_batch_size=BATCH,
+        loss_reduction="mean",
+    )
+    criterion = DPLossFastGradientClipping(
+        module, optimizer, nn.MSELoss(reduction="mean"), loss_reduction="mean"
+    )
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -92,9 +102,18 @@ class _Dpvr:
         self.move = LR  # ||x_r - x_{r-1}||, updated by every step
 
     def _update(self, sums: list[Tensor], radius: float, *, reset: bool, stream: str) -> None:
-        self.move = ops.noisy_update(self.v, sum=[s.view(-1) for s in sums], scale=1.0 / BATCH,
-                                     sigma=SIGMA * radius / BATCH, reset=reset, generator=self.generator,
-                                     stream=stream, params=self.flat, params_prev=self.prev_flat, lr=LR)
+        self.move = ops.noisy_update(
+            self.v,
+            sum=[s.view(-1) for s in sums],
+            scale=1.0 / BATCH,
+            sigma=SIGMA * radius / BATCH,
+            reset=reset,
+            generator=self.generator,
+            stream=stream,
+            params=self.flat,
+            params_prev=self.prev_flat,
+            lr=LR,
+        )
 
     def dp_sgd(self) -> None:
         result = self.ghost.clipped_sum(self.x, self.y, CLIP)
@@ -105,13 +124,50 @@ class _Dpvr:
         now = [p.detach() for p in self.params]
         before = [p.view_as(q) for p, q in zip(self.prev_flat, self.params)]
         if materialised:
-            grads, grads_prev = per_sample_grads_at_two_points(self.model, squared, self.x, self.y, now,
-                                                               before)
+            grads, grads_prev = per_sample_grads_at_two_points(
+                self.model, squared, self.x, self.y, now, before
+            )
             sums = [torch.zeros_like(p) for p in self.flat]
             ops.clip_accumulate_diff(grads, grads_prev, radius, sums)
         else:
             sums = self.ghost.clipped_diff_sum(self.x, self.y, now, before, radius).sums
         self._update(sums, radius, reset=False, stream="difference")
+
+
+class _NativeTimer:
+    """Stands in for ``dpvr._C`` and adds up the wall time of every call into it."""
+
+    def __init__(self, module: object) -> None:
+        self._module, self.seconds = module, 0.0
+
+    def __getattr__(self, name: str) -> Callable:
+        function = getattr(self._module, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def _native_share(fn: Callable[[], None], rounds: int) -> float:
+    """Fraction of ``fn``'s wall time spent in the native core."""
+    from ..ops import ghost, kernels
+
+    saved = kernels._C, ghost._C
+    timer = _NativeTimer(saved[0])
+    kernels._C = ghost._C = timer
+    try:
+        start = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        total = time.perf_counter() - start
+    finally:
+        kernels._C, ghost._C = saved
+    return timer.seconds / total
 
 
 def run(*, quick: bool = False, repeats: int = 7) -> list[Record]:
@@ -131,14 +187,22 @@ def run(*, quick: bool = False, repeats: int = 7) -> list[Record]:
     fns["dpvr-diff2-materialised"] = lambda: ours.diff_round(materialised=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' notices about secure RNG and hooks
-        ms = interleaved_median_ms(fns, repeats=min(repeats, 3) if quick else repeats,
-                                   warmup=1 if quick else 2)
+        ms = interleaved_median_ms(
+            fns, repeats=min(repeats, 3) if quick else repeats, warmup=1 if quick else 2
+        )
     d = sum(p.numel() for p in base.parameters())
     records = []
     for method, t in ms.items():
-        metrics = {"ms": t, "batch": BATCH, "d": d, "threads": torch.get_num_threads(),
-                   "ratio_vs_non_private": t / ms["non-private"]}
-        if method.startswith("dpvr") and "opacus-ghost-dp-sgd" in ms:
-            metrics["ratio_vs_opacus_ghost"] = t / ms["opacus-ghost-dp-sgd"]
+        metrics = {
+            "ms": t,
+            "batch": BATCH,
+            "d": d,
+            "threads": torch.get_num_threads(),
+            "ratio_vs_non_private": t / ms["non-private"],
+        }
+        if method.startswith("dpvr"):
+            metrics["native_share"] = _native_share(fns[method], 2 if quick else 5)
+            if "opacus-ghost-dp-sgd" in ms:
+                metrics["ratio_vs_opacus_ghost"] = t / ms["opacus-ghost-dp-sgd"]
         records.append(Record(method=method, dataset=f"mlp-784-256-128-1/B={BATCH}/cpu", metrics=metrics))
     return records

@@ -9,7 +9,7 @@ from ..results import document, format_table, write_json
 
 def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("bench", help="benchmark the kernels or a full DP step")
-    p.add_argument("what", choices=["kernels"], help="what to measure")
+    p.add_argument("what", choices=["kernels", "step"], help="the fused kernels, or a full DP step")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--quick", action="store_true", help="one small size (seconds)")
     p.add_argument("--repeats", type=int, default=7)
@@ -21,23 +21,22 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if args.device == "cuda":
+        if args.what == "step":
+            raise ValueError("bench step --device cuda: the step benchmark runs on the CPU only")
         return _run_cuda(args)
-    from ..bench import kernels
+    if args.what == "step":
+        from ..bench import step
 
-    records = kernels.run(quick=args.quick, repeats=args.repeats)
-    headers = ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"]
-    rows = [
-        [
-            r.dataset,
-            r.method,
-            r.metrics["ms"],
-            r.metrics["gbps"],
-            r.metrics["roofline_fraction"],
-            r.metrics.get("speedup_vs_torch_eager"),
-            r.metrics.get("speedup_vs_opacus"),
-        ]
-        for r in records
-    ]
+        records = step.run(quick=args.quick, repeats=args.repeats)
+        headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "native share"]
+        metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "native_share"]
+    else:
+        from ..bench import kernels
+
+        records = kernels.run(quick=args.quick, repeats=args.repeats)
+        headers = ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"]
+        metrics = ["ms", "gbps", "roofline_fraction", "speedup_vs_torch_eager", "speedup_vs_opacus"]
+    rows = [[r.dataset, r.method, *(r.metrics.get(m) for m in metrics)] for r in records]
     print(format_table(headers, rows))
     if args.json:
         write_json(args.json, document(f"bench-{args.what}", vars(args) | {"run": None}, records))
