@@ -218,3 +218,29 @@ def test_checkpoint_round_trip_and_corruption():
     ):
         with pytest.raises(ValueError, match="state"):
             resumed.load_state_dict(corrupt)
+
+
+def test_cyclic_composition_accounting_counts_the_passes_started():
+    x, y = data(n=40)
+    alg = DPSGD(
+        linear(),
+        logistic,
+        x,
+        y,
+        lr=1.0,
+        clip=1.0,
+        steps=18,
+        batch_size=10,
+        sampling="cyclic",
+        weak_convexity=0.0,
+        smoothness=0.5,
+        noise_multiplier=4.0,
+        bound="composition",
+        generator=gen(),
+    )
+    for step in range(1, 19):
+        alg.step()
+        direct = Accountant("rdp", "replace-one")
+        passes = -(-step // 4)
+        direct.record("gradient", alg.plan.step("gradient", {"gradient": 4.0})[1], count=passes)
+        assert alg.privacy_spent().epsilon == pytest.approx(direct.epsilon(1e-5), rel=1e-12)

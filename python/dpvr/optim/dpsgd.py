@@ -43,7 +43,9 @@ class DPSGD(PrivateAlgorithm):
     are refused. Nothing about intermediate iterates is reported. ``clipping=False`` asserts that no
     per-example gradient norm ever exceeds ``clip`` (a known Lipschitz bound, e.g. unit-norm features for
     logistic regression), which gives the much smaller bound of Theorem 2.3 eq. (19); every step verifies
-    the assertion and stops the run (releasing nothing more) if a gradient breaks it.
+    the assertion and stops the run (releasing nothing more) if a gradient breaks it. ``bound`` picks the
+    accounting of the cyclic run: ``"last-iterate"`` (default), ``"composition"`` (plain composition of the
+    passes, valid for every iterate) or ``"best"`` (the smaller).
     """
 
     name = "DP-SGD"
@@ -74,6 +76,7 @@ class DPSGD(PrivateAlgorithm):
         weak_convexity: float | None = None,
         smoothness: float | None = None,
         clipping: bool = True,
+        bound: str = "last-iterate",
     ) -> None:
         if len(inputs) != len(targets):
             raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
@@ -93,7 +96,7 @@ class DPSGD(PrivateAlgorithm):
                 clip=clip,
                 weak_convexity=weak_convexity,
                 smoothness=smoothness,
-                bound="last-iterate",
+                bound=bound,
                 clipping=clipping,
                 domain_diameter=getattr(prox, "diameter", math.inf),
             )
@@ -166,9 +169,10 @@ class DPSGD(PrivateAlgorithm):
     def _admit(self, stream: str) -> tuple[Any, Any]:
         if not self.last_iterate_only:
             return super()._admit(stream)
-        # The last-iterate bound covers the whole run so far: price the run with one more step.
+        # The bound covers the whole run so far (the last-iterate bound, or the passes started): price the run
+        # with one more step, and let it replace what was recorded.
         plan = dataclasses.replace(self.plan, steps=self.steps_done + 1)
-        admitted = plan.step(stream, self.noise)
+        admitted = (stream, plan(self.noise).event)
         trial = Accountant(self.accountant.accountant, plan.neighbouring)
         trial.record(*admitted)
         if self.epsilon_budget is not None and trial.epsilon(self.delta) > self.epsilon_budget:
