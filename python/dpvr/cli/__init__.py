@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import account, bench
+    from . import account, bench, experiment
 
     parser = argparse.ArgumentParser(prog="dpvr", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (account, bench):
+    for module in (account, bench, experiment):
         module.register(commands)
     return parser
 

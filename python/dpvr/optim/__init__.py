@@ -3,6 +3,7 @@
 from .base import BudgetExhaustedError, PrivateAlgorithm
 from .diff2 import DIFF2
 from .dpsgd import DPGD, DPSGD
+from .minimax import DPSGDA, MinimaxAlgorithm, PrivateDiff
 from .phased import CertificateError, PhasedOutputPerturbation, PhasedResult
 from .prox import L1, ElasticNet, L2Ball
 
@@ -10,12 +11,15 @@ __all__ = [
     "DIFF2",
     "DPGD",
     "DPSGD",
+    "DPSGDA",
     "L1",
     "BudgetExhaustedError",
     "CertificateError",
     "ElasticNet",
     "L2Ball",
+    "MinimaxAlgorithm",
     "PhasedOutputPerturbation",
     "PhasedResult",
     "PrivateAlgorithm",
+    "PrivateDiff",
 ]

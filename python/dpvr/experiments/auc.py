@@ -1,0 +1,437 @@
+"""PrivateDiff Minimax (Zhang et al.), section 6 / 9.1: private AUC maximisation, PrivateDiff against DP-SGDA.
+
+The paper's protocol, scaled to the data at hand:
+
+- **Data.** Per seed, the classes are split at random into two groups of equal size (positives: the group
+  :func:`~dpvr.data.split_classes` draws) and the labels made binary. Bundled: scikit-learn's digits (8x8
+  images, pixel / 16), split 70/30 into train and test at random per seed; ``digits`` keeps every sample,
+  ``digits-imbalanced`` subsamples the training positives to a ratio of 0.1 and the test set to 0.5 (the
+  paper's imbalanced versions). With ``--data-dir DIR``: MNIST from ``DIR/mnist`` and Fashion-MNIST from
+  ``DIR/fashion-mnist`` (the standard IDX files, optionally gzipped; pixel / 255), their own train/test
+  splits, as ``mnist``, ``mnist-imbalanced``, ``fashion-mnist`` and ``fashion-mnist-imbalanced``.
+- **Model and objective.** A 256-128 ReLU MLP with one output, score ``sigmoid(output)``, and the AUC-M
+  objective (eq. 63-64, :class:`~dpvr.objectives.AUCMargin` ``"v1"``, margin 1) with ``alpha`` in
+  ``[0, 2]``. Its positive ratio ``p`` is public: the protocol's 0.1 for the imbalanced sets, the share of
+  positive classes (0.5) for the balanced ones, never measured on the private labels.
+- **Methods.** ``non-private``: stochastic gradient descent-ascent on the same batches and schedule;
+  ``DP-SGDA`` (:class:`~dpvr.optim.DPSGDA`, ``C1 = C2 = 1``) and ``PrivateDiff``
+  (:class:`~dpvr.optim.PrivateDiff`, ``C1 = C2 = 1``, ``T = 2``, ``T2 = 3`` as in Table 2; ``C0 = 1`` and
+  ``C3 = 0.1``, which the paper does not give). Every method makes the same number of x-updates:
+  ``epochs * n / batch``; PrivateDiff's ``T2`` y-steps per round are on batches of their own.
+- **Privacy.** ``(epsilon, delta)``-DP with ``delta = 1/n^1.1`` (``n`` the training size), replace-one
+  neighbours; each DP method's noise is calibrated to the target with the accountant, every stream of a
+  run (PrivateDiff: checkpoint, difference and y-ascent releases) in one accountant; the spent epsilon
+  reported is ``privacy_spent()`` of what the run released. Noise and sampling are seeded for
+  reproducibility, which makes them predictable: fine for an experiment, not for a deployment.
+- **Hyper-parameters.** Learning rates ``eta_x, eta_y`` from the paper's grid {0.02, 0.2, 2}: every pair,
+  selecting per seed the pair with the best final *train* AUC. **This tuning uses the private training
+  data and is not covered by the privacy accounting, as in the paper.** ``--quick`` searches ``eta_x`` only,
+  with ``eta_y = 0.2``.
+- **Metrics.** Test and train AUC (:func:`~dpvr.objectives.auc_score`, equal to scikit-learn's
+  ``roc_auc_score``) and the norm of the full training gradient ``||grad_x L(x, alpha)||`` at the last
+  iterate, mean ± std over seeds; their curves per epoch are plotted (the paper's Figure 1).
+
+Scale: the paper uses batches of 2048 of 60,000 records for 80 epochs; digits have ~1,250 training records,
+so the default is batches of 256 for 60 epochs and 5 seeds; ``--quick`` runs 30 epochs, 2 seeds and
+epsilon 1 and 10. The paper's datasets (``--data-dir``) use its batch 2048 and 80 epochs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data import Dataset, binarize, load, read_mnist, split_classes, subsample_to_ratio
+from ..data import train_test_split as split_train_test
+from ..data.idx import FASHION_MNIST_CLASSES
+from ..objectives import AUCMargin, AUCModel, auc_score
+from ..ops import NoiseGenerator
+from ..optim import DPSGDA, PrivateDiff
+from ..optim.sampling import BatchSampler
+from ..results import Record, document, format_table
+from .common import derive_seed, format_mean_std, plot_curves, progress, save, torch_threads
+
+NAME = "auc"
+METHODS = ("non-private", "DP-SGDA", "PrivateDiff")
+METRICS = ("test_auc", "train_auc", "grad_norm")
+METRIC_TITLES = {"test_auc": "test AUC", "train_auc": "train AUC", "grad_norm": "||grad_x L|| (train)"}
+EPSILONS = (0.5, 1.0, 5.0, 10.0)
+LRS = (0.02, 0.2, 2.0)
+HIDDEN = (256, 128)
+IMBALANCED_TRAIN, IMBALANCED_TEST = 0.1, 0.5
+CLIP = {"clip_x": 1.0, "clip_y": 1.0, "clip0": 1.0, "clip1": 1.0, "clip2": 1.0, "clip3": 0.1}
+RESTART, Y_STEPS = 2, 3
+BUNDLED = ("digits", "digits-imbalanced")
+PAPER_SOURCES = {"mnist": "mnist", "fashion-mnist": "fashion-mnist"}  # dataset -> subdirectory of --data-dir
+
+
+@dataclass(frozen=True)
+class Protocol:
+    epochs: int
+    batch_size: int
+    seeds: int
+    lr_pairs: tuple[tuple[float, float], ...]  # (eta_x, eta_y)
+
+
+SCALED = Protocol(epochs=60, batch_size=256, seeds=5, lr_pairs=tuple(itertools.product(LRS, LRS)))
+QUICK = Protocol(epochs=30, batch_size=256, seeds=2, lr_pairs=tuple((lr, 0.2) for lr in LRS))
+PAPER = Protocol(epochs=80, batch_size=2048, seeds=3, lr_pairs=tuple(itertools.product(LRS, LRS)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=int, help="epochs (default: the protocol's)")
+    parser.add_argument("--batch-size", type=int, help="batch size (default: the protocol's)")
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Data:
+    train: tuple[torch.Tensor, torch.Tensor]
+    test: tuple[torch.Tensor, torch.Tensor]
+    positive_ratio: float  # public: fixed by the protocol
+
+    @property
+    def delta(self) -> float:
+        return 1.0 / len(self.train[0]) ** 1.1
+
+
+def _raw(name: str, data_dir: str | None, seed: int) -> tuple[Dataset, Dataset]:
+    base = name.removesuffix("-imbalanced")
+    if base == "digits":
+        digits = load("digits")
+        digits = dataclasses.replace(digits, features=digits.features / 16.0)
+        return split_train_test(digits, test_fraction=0.3, seed=derive_seed(seed, 1))
+    if data_dir is None:
+        raise ValueError(f"dataset {name!r} needs --data-dir")
+    directory = os.path.join(data_dir, PAPER_SOURCES[base])
+    options = {"name": base} if base == "mnist" else {"name": base, "classes": FASHION_MNIST_CLASSES}
+    return read_mnist(directory, "train", **options), read_mnist(directory, "test", **options)
+
+
+def _prepare(name: str, data_dir: str | None, seed: int) -> _Data:
+    train, test = _raw(name, data_dir, seed)
+    positive = split_classes(train.num_classes, seed=derive_seed(seed, 2))
+    ratio = len(positive) / train.num_classes  # the share of positive classes: public
+    train, test = binarize(train, positive), binarize(test, positive)
+    if name.endswith("-imbalanced"):
+        train = subsample_to_ratio(train, IMBALANCED_TRAIN, seed=derive_seed(seed, 3))
+        test = subsample_to_ratio(test, IMBALANCED_TEST, seed=derive_seed(seed, 4))
+        ratio = IMBALANCED_TRAIN
+
+    def tensors(d: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.as_tensor(d.features, dtype=torch.float32), torch.as_tensor(d.targets)
+
+    return _Data(tensors(train), tensors(test), ratio)
+
+
+def _model(features: int, seed: int) -> AUCModel:
+    torch.manual_seed(derive_seed(seed, 5) % 2**63)
+    layers: list[nn.Module] = []
+    width = features
+    for hidden in HIDDEN:
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    return AUCModel(nn.Sequential(*layers, nn.Linear(width, 1)))
+
+
+# ---- runs ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    lrs: tuple[float, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+    spent_epsilon: float | None = None
+
+    def curve(self, metric: str) -> list[float]:
+        return [h[metric] for h in self.history]
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.history[-1]
+
+
+def _evaluate(model: AUCModel, problem: AUCMargin, alpha: torch.Tensor, data: _Data) -> dict[str, float]:
+    x, y = data.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.enable_grad():
+        grads = torch.autograd.grad(problem.objective(model(x), y, alpha.detach()), params)
+    with torch.no_grad():
+        train = auc_score(model.scores(x), y) if torch.isfinite(model.scores(x)).all() else math.nan
+        test = auc_score(model.scores(data.test[0]), data.test[1]) if math.isfinite(train) else math.nan
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    return {"train_auc": train, "test_auc": test, "grad_norm": norm}
+
+
+def _sgda(
+    model: AUCModel, problem: AUCMargin, data: _Data, lrs: tuple[float, float], batch_size: int, seed: int
+) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+    """Non-private stochastic gradient descent-ascent on batches drawn as the DP methods draw them."""
+    sampler = BatchSampler("wor", len(data.train[0]), batch_size, seed)
+    alpha = problem.initial_y()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        nonlocal alpha
+        batch = torch.as_tensor(sampler.draw(), dtype=torch.long)
+        a = alpha.clone().requires_grad_()
+        loss = problem.objective(model(data.train[0][batch]), data.train[1][batch], a)
+        *grads, g_alpha = torch.autograd.grad(loss, [*params, a])
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(g, alpha=lrs[0])
+            alpha = problem.project(alpha + lrs[1] * g_alpha)
+
+    return step, lambda: alpha
+
+
+def _private(
+    method: str,
+    model: AUCModel,
+    problem: AUCMargin,
+    data: _Data,
+    lrs: tuple[float, float],
+    steps: int,
+    batch_size: int,
+    epsilon: float,
+    seed: int,
+) -> DPSGDA | PrivateDiff:
+    common: dict[str, Any] = dict(
+        lr=lrs[0],
+        lr_y=lrs[1],
+        batch_size=batch_size,
+        epsilon=epsilon,
+        delta=data.delta,
+        generator=NoiseGenerator(derive_seed(seed, 6), reproducible=True),
+        sampler_seed=derive_seed(seed, 7),
+    )
+    if method == "DP-SGDA":
+        return DPSGDA(
+            model, problem, *data.train, steps=steps, clip_x=CLIP["clip_x"], clip_y=CLIP["clip_y"], **common
+        )
+    return PrivateDiff(
+        model,
+        problem,
+        *data.train,
+        rounds=steps,
+        restart=RESTART,
+        y_steps=Y_STEPS,
+        **{k: CLIP[k] for k in ("clip0", "clip1", "clip2", "clip3")},
+        **common,
+    )
+
+
+def _train(
+    method: str,
+    init: AUCModel,
+    problem: AUCMargin,
+    data: _Data,
+    protocol: Protocol,
+    lrs: tuple[float, float],
+    epsilon: float | None,
+    seed: int,
+) -> _Run:
+    model = copy.deepcopy(init)
+    per_epoch = max(1, len(data.train[0]) // protocol.batch_size)
+    steps = protocol.epochs * per_epoch
+    run = _Run(lrs)
+    if epsilon is None:
+        step, alpha = _sgda(model, problem, data, lrs, protocol.batch_size, derive_seed(seed, 7))
+        alg = None
+    else:
+        alg = _private(method, model, problem, data, lrs, steps, protocol.batch_size, epsilon, seed)
+        step, alpha = alg.step, (lambda: alg.y)
+    run.history.append(_evaluate(model, problem, alpha(), data))
+    for t in range(1, steps + 1):
+        step()
+        if t % per_epoch == 0:
+            run.history.append(_evaluate(model, problem, alpha(), data))
+            if not math.isfinite(run.final["train_auc"]):
+                break  # diverged: this learning-rate pair is not selected
+    while len(run.history) < protocol.epochs + 1:
+        run.history.append(dict.fromkeys(METRICS, math.nan))
+    run.spent_epsilon = None if alg is None else alg.privacy_spent().epsilon
+    return run
+
+
+def _tune(
+    method: str,
+    init: AUCModel,
+    problem: AUCMargin,
+    data: _Data,
+    protocol: Protocol,
+    epsilon: float | None,
+    seed: int,
+    bar: Any,
+) -> _Run:
+    runs = []
+    for i, lrs in enumerate(protocol.lr_pairs):
+        runs.append(_train(method, init, problem, data, protocol, lrs, epsilon, derive_seed(seed, i)))
+        bar.update()
+    finite = [r for r in runs if math.isfinite(r.final["train_auc"])]
+    return max(finite or runs, key=lambda r: r.final["train_auc"] if finite else 0.0)
+
+
+# ---- the experiment --------------------------------------------------------------------------------------
+
+
+def _datasets(args: argparse.Namespace) -> list[str]:
+    if args.dataset:
+        return list(args.dataset)
+    if args.data_dir is None:
+        return list(BUNDLED)
+    found = [k for k, sub in PAPER_SOURCES.items() if os.path.isdir(os.path.join(args.data_dir, sub))]
+    if not found:
+        raise ValueError(f"--data-dir {args.data_dir}: neither mnist/ nor fashion-mnist/ found in it")
+    return [f"{k}{suffix}" for k in found for suffix in ("", "-imbalanced")]
+
+
+def _protocol(name: str, args: argparse.Namespace) -> Protocol:
+    base = QUICK if args.quick else SCALED if name.startswith("digits") else PAPER
+    return dataclasses.replace(
+        base,
+        epochs=args.epochs or base.epochs,
+        batch_size=args.batch_size or base.batch_size,
+        seeds=args.seeds or base.seeds,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the experiment (see the module documentation); returns the result document."""
+    epsilons = tuple(args.epsilon or ((1.0, 10.0) if args.quick else EPSILONS))
+    names = _datasets(args)
+    protocols = {name: _protocol(name, args) for name in names}
+    total = sum(p.seeds * len(p.lr_pairs) * (1 + 2 * len(epsilons)) for p in protocols.values())
+    found: dict[tuple[str, float | None, str], list[_Run]] = {}
+    records: list[Record] = []
+    deltas: dict[str, float] = {}
+    with (
+        torch_threads(1 if all(n.startswith("digits") for n in names) else None),
+        progress(total, NAME) as bar,
+    ):
+        for name in names:
+            protocol = protocols[name]
+            for seed in range(protocol.seeds):
+                data = _prepare(name, args.data_dir, seed)
+                deltas[name] = data.delta
+                problem = AUCMargin(data.positive_ratio)
+                init = _model(data.train[0].shape[1], seed)
+                for epsilon in (None, *epsilons):
+                    for method in METHODS[1:] if epsilon is not None else METHODS[:1]:
+                        bar.set_postfix_str(f"{name} seed {seed} eps {epsilon} {method}")
+                        noise_seed = derive_seed(seed, METHODS.index(method), round((epsilon or 0) * 1e6))
+                        best = _tune(method, init, problem, data, protocol, epsilon, noise_seed, bar)
+                        found.setdefault((name, epsilon, method), []).append(best)
+                        metrics: dict[str, Any] = {m: best.final[m] for m in METRICS}
+                        metrics["lr"], metrics["lr_y"] = best.lrs
+                        metrics["curves"] = {m: best.curve(m) for m in METRICS}
+                        records.append(
+                            Record(
+                                method,
+                                name,
+                                epsilon,
+                                None if epsilon is None else data.delta,
+                                seed,
+                                best.spent_epsilon,
+                                metrics,
+                            )
+                        )
+    config = {
+        "datasets": names,
+        "epsilons": list(epsilons),
+        "delta": "1/n^1.1 (n: training records)",
+        "deltas": deltas,
+        "model": f"AUCModel(MLP {HIDDEN[0]}-{HIDDEN[1]} ReLU), AUC-M v1, margin 1, alpha in [0, 2]",
+        "clips": CLIP,
+        "restart": RESTART,
+        "y_steps": Y_STEPS,
+        "quick": bool(args.quick),
+        "protocols": {name: dataclasses.asdict(p) for name, p in protocols.items()},
+        "hyperparameter_tuning_accounted": False,
+    }
+    doc = document(NAME, config, records)
+    _report(found, names, epsilons, protocols)
+    paths = save(doc, records, args.out)
+    paths += _plots(found, names, epsilons, protocols, args.out)
+    print("\nwrote " + ", ".join(paths))
+    return doc
+
+
+def _report(
+    found: dict[tuple[str, float | None, str], list[_Run]],
+    names: Sequence[str],
+    epsilons: Sequence[float],
+    protocols: dict[str, Protocol],
+) -> None:
+    rows = []
+    for name in names:
+        for epsilon in (None, *epsilons):
+            for method in METHODS if epsilon is not None else METHODS[:1]:
+                if (name, epsilon, method) not in found:
+                    continue
+                runs = found[(name, epsilon, method)]
+                spent = [r.spent_epsilon for r in runs if r.spent_epsilon is not None]
+                rows.append(
+                    [
+                        name,
+                        "∞" if epsilon is None else epsilon,
+                        method,
+                        max(spent) if spent else "non-private",
+                        *(format_mean_std(r.final[m] for r in runs) for m in METRICS),
+                    ]
+                )
+    print(
+        format_table(
+            ["dataset", "epsilon", "method", "spent epsilon", "test AUC", "train AUC", "grad norm"], rows
+        )
+    )
+    seeds = "/".join(map(str, sorted({p.seeds for p in protocols.values()})))
+    print(
+        f"\nmean ± std over {seeds} seeds at the last iterate; delta = 1/n^1.1; spent epsilon: the "
+        "accountant's epsilon for what the selected runs released (largest over seeds).\n"
+        "Learning rates were tuned on the private training data, as in the paper; that tuning is not "
+        "covered by the privacy accounting."
+    )
+
+
+def _plots(
+    found: dict[tuple[str, float | None, str], list[_Run]],
+    names: Sequence[str],
+    epsilons: Sequence[float],
+    protocols: dict[str, Protocol],
+    out: str,
+) -> list[str]:
+    paths = []
+    for name in names:
+        for epsilon in epsilons:
+            keys = [(name, None, METHODS[0])] + [(name, epsilon, m) for m in METHODS[1:]]
+            panels = {
+                METRIC_TITLES[metric]: {
+                    key[2]: [np.nan_to_num(r.curve(metric), nan=0.0) for r in found[key]] for key in keys
+                }
+                for metric in ("test_auc", "grad_norm")
+            }
+            path = os.path.join(out, f"{NAME}_{name}_eps{epsilon:g}.png")
+            plot_curves(
+                path,
+                list(range(protocols[name].epochs + 1)),
+                panels,
+                xlabel="epoch",
+                title=f"{name}, epsilon = {epsilon:g}",
+                log_y=False,
+            )
+            paths.append(path)
+    return paths

@@ -1,0 +1,686 @@
+"""DIFF2 (Murata & Suzuki, ICML 2023), section 6: DIFF2-GD against DP-GD at the same spent epsilon.
+
+The paper's protocol (section 6 and appendix A), scaled to the data at hand:
+
+- **Data.** Per seed: a random 80/20 train/test split; features standardised with the training split's
+  statistics; regression targets divided by the largest absolute training target (the paper takes it over
+  the whole dataset; one constant either way, the same for every method); classification labels coded ±1
+  (one output for two classes, one per class otherwise) so that the squared loss applies. The training
+  split is dealt into ``P = 10`` equal IID client shards (``split_clients``; the remainder is dropped).
+- **Model.** One hidden layer of 10 softplus units; parameters drawn from U(-1/sqrt(w_in), 1/sqrt(w_in)),
+  w_in the layer's inputs (the paper prints sqrt(w_in), read as a typo); per-sample loss
+  ``0.5 ||output - target||^2``; the objective ``f`` is the mean over clients of their mean losses.
+- **Methods**, all for ``R`` rounds: ``GD`` (non-private, the paper's "GD (ref)"), ``DP-GD``, ``DIFF2-GD``
+  and ``DIFF2-BVR-L-SGD`` (``K`` local steps on batches of ``b = K`` records, ``C3 = C2`` as in Theorem 5.3;
+  the paper runs no experiment with it). DP-GD is :class:`~dpvr.optim.DIFF2` with ``restart=1``: the paper
+  defines it so (T = 1), it runs the same code path as DIFF2-GD and it admits the paper's calibration
+  (Proposition 4.1 with u -> 1). With equal shards the average of client means is the pooled mean, so the
+  GD-routine methods run on one pooled shard with the same plan (``n_min P`` records): numerically the
+  same algorithm and the same accounting, a tenth of the per-sample-gradient calls. BVR-L-SGD, whose local
+  steps run on one client's shard, gets the ``P`` shards.
+- **Privacy.** Record-level (epsilon, delta)-DP w.r.t. each client's data, replace-one neighbours. Each DP
+  method calibrates its noise to the target epsilon with the accountant (``--calibration tight``, default) or
+  with Proposition 4.1 (``paper``: u = 1.25 for DIFF2-GD, u -> 1 for DP-GD; DIFF2-BVR-L-SGD always uses the
+  tight calibration, since Proposition E.2's closed form needs ``b <= n/(2 e alpha)``). The spent epsilon
+  reported is ``privacy_spent()`` of what the run released. Noise and sampling are seeded for
+  reproducibility, which makes them predictable: fine for an experiment, not for a deployment.
+- **Hyper-parameters.** GD tunes the step size ``eta`` only; DP-GD also ``C1``; DIFF2-GD ``C1``, ``C2`` and
+  ``T``; DIFF2-BVR-L-SGD reuses DIFF2-GD's selected ``C1``, ``C2``, ``T`` and searches ``eta`` from
+  DIFF2-GD's selected step size down (its ``K`` steps per round make larger ones no safer). For each grid
+  point the learning rates are tried from the largest down, with the paper's early stopping: the train loss
+  is checked ``evaluations`` times per run and a rate is rejected on a non-finite loss or when a patience
+  count, raised by each check above 1.05 times the best loss so far and reset by a new best, reaches 5; the
+  first rate that completes ``R`` rounds is taken. (The smallest rate is never stopped for patience, only
+  for divergence, so each grid point yields a run.) Then, per seed, the grid point with the smallest final
+  train loss gives the train and test loss, the one with the smallest final squared gradient norm gives
+  that metric (the paper's rule). **This tuning uses the private training data and is not covered by the
+  privacy accounting, as in the paper.**
+- **Metrics.** Final train loss ``f(x_R)``, squared gradient norm ``||grad f(x_R)||^2`` and test loss (and
+  test accuracy for classification), mean ± std over seeds; the minimum over the evaluated rounds too (the
+  paper's t-test statistic). The one-sided paired t-test (one sample per seed, df = seeds - 1) has the
+  alternative "DIFF2-GD < DP-GD".
+
+Scale: on the bundled sets (a few hundred records) the default is R = 200, C1, C2 in {0.3, 1, 3} (their
+per-sample gradient norms are about 0.2-3), T in {0.01, 0.03, 0.1} R, eta in {0.5^i : i = 0..9}, K = 5
+and 5 seeds; ``--quick`` uses R = 100, C1, C2 in {0.3, 1}, T in {0.03, 0.1} R, eta in {0.5^(2i) : i =
+0..4} and 3 seeds. The paper's own datasets run with ``--data-dir DIR`` (R = 2000 and the paper's full
+grid unless ``--quick``): one file per dataset, the target in the last column, all features numeric, named
+``california_housing``, ``gas_turbine`` (CO as target, NOx dropped), ``blogfeedback``, ``covtype`` or
+``kddcup99`` (the 10% file, categorical columns encoded as numbers) with the extension ``.csv`` or
+``.libsvm`` (optionally ``.gz``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data import Dataset, Standardizer, TargetScaler, load, read_csv, read_libsvm, split_clients
+from ..data import train_test_split as split_train_test
+from ..ops import NoiseGenerator
+from ..optim import DIFF2
+from ..results import Record, document, format_table
+from .common import (
+    derive_seed,
+    format_mean_std,
+    one_sided_ttest,
+    plot_curves,
+    progress,
+    save,
+    torch_threads,
+)
+
+NAME = "diff2"
+METHODS = ("GD", "DP-GD", "DIFF2-GD", "DIFF2-BVR-L-SGD")
+METRICS = ("train_loss", "grad_norm_sq", "test_loss")
+METRIC_TITLES = {
+    "train_loss": "train loss",
+    "grad_norm_sq": "squared train gradient norm",
+    "test_loss": "test loss",
+}
+CLIENTS = 10
+HIDDEN = 10
+DELTA = 1e-5
+EPSILONS = (3.0, 5.0)
+BUNDLED = ("diabetes", "breast_cancer")
+PAPER_DATASETS = {
+    "california_housing": "regression",
+    "gas_turbine": "regression",
+    "blogfeedback": "regression",
+    "covtype": "classification",
+    "kddcup99": "classification",
+}
+EXTENSIONS = (".csv", ".csv.gz", ".libsvm", ".libsvm.gz")
+CHUNK = 8192  # samples per per-sample-gradient call: bounds memory on the paper's larger datasets
+ONE_THREAD_BELOW = 20_000  # records: smaller sets run single-threaded (see common.torch_threads)
+DIVERGED = 1e150  # a step this long has diverged (and C2 ||x_r - x_{r-1}|| would overflow)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Rounds, grid and early-stopping rule of one run of the experiment."""
+
+    rounds: int
+    seeds: int
+    lrs: tuple[float, ...]  # tried from the largest down
+    clip1: tuple[float, ...]
+    clip2: tuple[float, ...]
+    restart_fractions: tuple[float, ...]  # T = fraction * R (at least 2)
+    local_steps: int  # BVR-L-SGD's K; its local batch b = K (Table 1: K = b)
+    evaluations: int = 100  # train-loss checks per run (the paper: every 20 of 2000 rounds)
+    patience: int = 5
+    tolerance: float = 1.05
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """The rounds at which the metrics are evaluated (round 0 is the initial point)."""
+        every = max(1, self.rounds // self.evaluations)
+        return sorted({*range(0, self.rounds + 1, every), self.rounds})
+
+    @property
+    def restarts(self) -> tuple[int, ...]:
+        return tuple(sorted({max(2, round(f * self.rounds)) for f in self.restart_fractions}))
+
+
+PAPER = Protocol(
+    rounds=2000,
+    seeds=5,
+    lrs=tuple(0.5**i for i in range(10)),
+    clip1=(1.0, 3.0, 10.0, 30.0, 100.0),
+    clip2=(1.0, 3.0, 10.0, 30.0, 100.0),
+    restart_fractions=(0.003, 0.01, 0.03, 0.1),
+    local_steps=10,
+)
+"""Section 6 as printed (for ``--data-dir``)."""
+
+SCALED = Protocol(
+    rounds=200,
+    seeds=5,
+    lrs=tuple(0.5**i for i in range(10)),
+    clip1=(0.3, 1.0, 3.0),
+    clip2=(0.3, 1.0, 3.0),
+    restart_fractions=(0.01, 0.03, 0.1),
+    local_steps=5,
+)
+"""The bundled data (a few hundred records). Per-sample gradient norms there are about 0.2-3 and
+per-sample ``||grad l(x) - grad l(x')|| / ||x - x'||`` about 0.4-2 along a GD path, so the clip radii that
+matter are a third of the paper's smallest ones."""
+
+QUICK = Protocol(
+    rounds=100,
+    seeds=3,
+    lrs=tuple(0.5**i for i in range(0, 10, 2)),
+    clip1=(0.3, 1.0),
+    clip2=(0.3, 1.0),
+    restart_fractions=(0.03, 0.1),
+    local_steps=5,
+)
+"""``--quick``: a reduced grid that finishes in a few minutes on two CPU cores."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, help="communication rounds R (default: the protocol's)")
+    parser.add_argument(
+        "--calibration",
+        choices=("tight", "paper"),
+        default="tight",
+        help="noise for the target epsilon: the accountant's smallest (tight) or Proposition 4.1 (paper)",
+    )
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Data:
+    """One seed's preprocessed data as float64 tensors; targets are ``(n, outputs)``."""
+
+    clients: list[tuple[torch.Tensor, torch.Tensor]]
+    train: tuple[torch.Tensor, torch.Tensor]  # the clients' records pooled (equal shards)
+    test: tuple[torch.Tensor, torch.Tensor]
+    test_classes: torch.Tensor | None  # class codes, for the test accuracy of classification sets
+
+
+def _load(name: str, data_dir: str | None) -> Dataset:
+    key = name.lower().replace("-", "_")
+    if key not in PAPER_DATASETS:
+        return load(key, data_dir=data_dir)
+    if data_dir is None:
+        raise ValueError(f"{key} is one of the paper's datasets: pass --data-dir, the directory holding it")
+    path = _paper_file(data_dir, key)
+    if path is None:
+        raise ValueError(f"--data-dir {data_dir}: no {key}{{{','.join(EXTENSIONS)}}}")
+    reader = read_libsvm if ".libsvm" in os.path.basename(path) else read_csv
+    return reader(path, task=PAPER_DATASETS[key], name=key)
+
+
+def _paper_file(data_dir: str, key: str) -> str | None:
+    for extension in EXTENSIONS:
+        path = os.path.join(data_dir, key + extension)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _coded_targets(dataset: Dataset) -> np.ndarray:
+    """Regression targets as a column; class labels as ±1 (one column for two classes, else one per class)."""
+    if dataset.task == "regression":
+        return dataset.targets[:, None]
+    if dataset.num_classes == 2:
+        return np.where(dataset.targets == 1, 1.0, -1.0)[:, None]
+    return np.where(dataset.targets[:, None] == np.arange(dataset.num_classes), 1.0, -1.0)
+
+
+def _prepare(dataset: Dataset, seed: int) -> _Data:
+    train, test = split_train_test(dataset, test_fraction=0.2, seed=derive_seed(seed, 1))
+    standardize = Standardizer.fit(train)
+    train, test = standardize(train), standardize(test)
+    if dataset.task == "regression":
+        scale = TargetScaler.fit(train)
+        train, test = scale(train), scale(test)
+
+    def tensors(part: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.as_tensor(part.features, dtype=torch.float64), torch.as_tensor(_coded_targets(part))
+
+    clients = [tensors(shard) for shard in split_clients(train, CLIENTS, seed=derive_seed(seed, 2))]
+    pooled = (torch.cat([x for x, _ in clients]), torch.cat([y for _, y in clients]))
+    classes = torch.as_tensor(test.targets) if dataset.task == "classification" else None
+    return _Data(clients, pooled, tensors(test), classes)
+
+
+# ---- model, loss, evaluation -----------------------------------------------------------------------------
+
+
+def _model(inputs: int, outputs: int, seed: int) -> nn.Module:
+    model = nn.Sequential(nn.Linear(inputs, HIDDEN), nn.Softplus(), nn.Linear(HIDDEN, outputs)).double()
+    generator = torch.Generator().manual_seed(derive_seed(seed, 3) % 2**63)
+    with torch.no_grad():
+        for layer in (model[0], model[2]):
+            bound = 1 / math.sqrt(layer.in_features)
+            for p in layer.parameters():
+                p.uniform_(-bound, bound, generator=generator)
+    return model
+
+
+def sample_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The squared loss of one sample (the per-sample contract of :mod:`dpvr.grads`)."""
+    return 0.5 * (output - target).pow(2).sum()
+
+
+def _mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (output - target).pow(2).sum(dim=1).mean()
+
+
+def _evaluate(model: nn.Module, data: _Data) -> dict[str, float]:
+    params = list(model.parameters())
+    with torch.enable_grad():
+        loss = _mean_loss(model(data.train[0]), data.train[1])
+        grads = torch.autograd.grad(loss, params)
+    values = {"train_loss": loss.item(), "grad_norm_sq": float(sum(g.pow(2).sum() for g in grads))}
+    with torch.no_grad():
+        output = model(data.test[0])
+        values["test_loss"] = _mean_loss(output, data.test[1]).item()
+        if data.test_classes is not None:
+            predicted = (output[:, 0] > 0).long() if output.shape[1] == 1 else output.argmax(dim=1)
+            values["test_accuracy"] = (predicted == data.test_classes).double().mean().item()
+    return values
+
+
+# ---- methods and tuning ----------------------------------------------------------------------------------
+
+Step = Callable[[], float]  # runs one round; returns ||x_r - x_{r-1}||
+
+
+@dataclass
+class _Run:
+    """One completed (or rejected) run: its grid point, its metrics at the checkpoints, what it spent."""
+
+    point: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+    spent_epsilon: float | None = None
+    completed: bool = False
+
+    def curve(self, metric: str) -> np.ndarray:
+        return np.array([h[metric] for h in self.history])
+
+
+@dataclass(frozen=True)
+class _Budget:
+    epsilon: float
+    delta: float
+    calibration: str
+
+
+def _gradient_descent(model: nn.Module, data: _Data, lr: float) -> Step:
+    params = list(model.parameters())
+
+    def step() -> float:
+        grads = torch.autograd.grad(_mean_loss(model(data.train[0]), data.train[1]), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(g, alpha=lr)
+        return lr * math.sqrt(float(sum(g.pow(2).sum() for g in grads)))
+
+    return step
+
+
+def _private(
+    method: str,
+    point: dict[str, float],
+    model: nn.Module,
+    data: _Data,
+    protocol: Protocol,
+    budget: _Budget,
+    seed: int,
+) -> DIFF2:
+    options: dict[str, Any] = dict(
+        lr=point["lr"],
+        rounds=protocol.rounds,
+        clip1=point["clip1"],
+        epsilon=budget.epsilon,
+        delta=budget.delta,
+        generator=NoiseGenerator(derive_seed(seed, 4), reproducible=True),
+        chunk_size=CHUNK,
+    )
+    if method == "DP-GD":  # T = 1: every round restarts, clip2 is never used; Prop. 4.1 with u -> 1
+        return DIFF2(
+            model,
+            sample_loss,
+            [data.train],
+            restart=1,
+            clip2=1.0,
+            calibration=budget.calibration,
+            u=1 + 1e-9,
+            **options,
+        )
+    if method == "DIFF2-GD":
+        return DIFF2(
+            model,
+            sample_loss,
+            [data.train],
+            restart=int(point["restart"]),
+            clip2=point["clip2"],
+            calibration=budget.calibration,
+            u=1.25,
+            **options,
+        )
+    batch = min(protocol.local_steps, min(len(x) for x, _ in data.clients))
+    return DIFF2(
+        model,
+        sample_loss,
+        data.clients,
+        restart=int(point["restart"]),
+        clip2=point["clip2"],
+        routine="bvr-l-sgd",
+        local_steps=protocol.local_steps,
+        local_batch=batch,
+        clip3=point["clip2"],
+        sampler_seed=derive_seed(seed, 5),
+        **options,
+    )
+
+
+def _rounds_of(alg: DIFF2) -> Step:
+    def step() -> float:
+        return alg.step()["move"]
+
+    return step
+
+
+def _train(step: Step, model: nn.Module, data: _Data, protocol: Protocol, run: _Run, patient: bool) -> None:
+    """Runs ``R`` rounds with the paper's early stopping; sets ``run.completed`` if it was not stopped."""
+    checkpoints = set(protocol.checkpoints)
+    run.history.append(_evaluate(model, data))
+    best, waited = run.history[0]["train_loss"], 0
+    for r in range(1, protocol.rounds + 1):
+        if not step() < DIVERGED:  # also catches NaN
+            return
+        if r not in checkpoints:
+            continue
+        run.history.append(_evaluate(model, data))
+        loss = run.history[-1]["train_loss"]
+        if not math.isfinite(loss):
+            return
+        if loss < best:
+            best, waited = loss, 0
+        elif loss > protocol.tolerance * best:
+            waited += 1
+            if patient and waited >= protocol.patience:
+                return
+    run.completed = True
+
+
+def _search(
+    method: str,
+    point: dict[str, float],
+    lrs: Sequence[float],
+    init: nn.Module,
+    data: _Data,
+    protocol: Protocol,
+    budget: _Budget | None,
+    seed: int,
+) -> _Run | None:
+    """The paper's learning-rate search at one grid point: the first rate, from the largest, to finish."""
+    for i, lr in enumerate(lrs):
+        model = copy.deepcopy(init)
+        run = _Run({**point, "lr": lr})
+        if budget is None:
+            alg, step = None, _gradient_descent(model, data, lr)
+        else:
+            alg = _private(method, run.point, model, data, protocol, budget, derive_seed(seed, i))
+            step = _rounds_of(alg)
+        _train(step, model, data, protocol, run, patient=i < len(lrs) - 1)
+        if run.completed:
+            run.spent_epsilon = None if alg is None else alg.privacy_spent().epsilon
+            return run
+    return None
+
+
+def _grid(method: str, protocol: Protocol, diff2_choice: dict[str, float] | None) -> list[dict[str, float]]:
+    if method == "GD":
+        return [{}]
+    if method == "DP-GD":
+        return [{"clip1": c} for c in protocol.clip1]
+    if method == "DIFF2-GD":
+        return [
+            {"clip1": c1, "clip2": c2, "restart": t}
+            for c1, c2, t in itertools.product(protocol.clip1, protocol.clip2, protocol.restarts)
+        ]
+    assert diff2_choice is not None
+    return [{k: diff2_choice[k] for k in ("clip1", "clip2", "restart")}]
+
+
+@dataclass
+class _Outcome:
+    """A method's result on one seed: the runs selected per criterion (the paper's rule)."""
+
+    by_loss: _Run  # smallest final train loss: train loss, test loss (and accuracy)
+    by_grad: _Run  # smallest final squared gradient norm
+
+    def source(self, metric: str) -> _Run:
+        return self.by_grad if metric == "grad_norm_sq" else self.by_loss
+
+    def metrics(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for metric in METRICS:
+            curve = self.source(metric).curve(metric)
+            values[metric], values[f"{metric}_min"] = float(curve[-1]), float(curve.min())
+        if "test_accuracy" in self.by_loss.history[-1]:
+            values["test_accuracy"] = self.by_loss.history[-1]["test_accuracy"]
+        values["selected"] = {"train_loss": self.by_loss.point, "grad_norm_sq": self.by_grad.point}
+        return values
+
+    @property
+    def spent_epsilon(self) -> float | None:
+        spent = [r.spent_epsilon for r in (self.by_loss, self.by_grad) if r.spent_epsilon is not None]
+        return max(spent) if spent else None
+
+
+def _tune(
+    method: str,
+    protocol: Protocol,
+    init: nn.Module,
+    data: _Data,
+    budget: _Budget | None,
+    seed: int,
+    bar: Any,
+    diff2: _Outcome | None = None,
+) -> _Outcome:
+    """A method's grid, each point with its learning-rate search, and the paper's selection.
+
+    ``seed`` seeds the noise of every run; ``diff2`` (for DIFF2-BVR-L-SGD) is DIFF2-GD's outcome.
+    """
+    lrs = protocol.lrs
+    if diff2 is not None:  # BVR-L-SGD: from DIFF2-GD's selected rate down
+        lrs = tuple(lr for lr in lrs if lr <= diff2.by_loss.point["lr"])
+    runs = []
+    for j, point in enumerate(_grid(method, protocol, diff2.by_loss.point if diff2 else None)):
+        run = _search(
+            method, point, lrs, init, data, protocol, budget, derive_seed(seed, METHODS.index(method), j)
+        )
+        if run is not None:
+            runs.append(run)
+        bar.update()
+    if not runs:
+        raise RuntimeError(f"{method}: every learning rate diverged at every grid point")
+    return _Outcome(
+        by_loss=min(runs, key=lambda r: r.history[-1]["train_loss"]),
+        by_grad=min(runs, key=lambda r: r.history[-1]["grad_norm_sq"]),
+    )
+
+
+# ---- the experiment --------------------------------------------------------------------------------------
+
+
+def _datasets(args: argparse.Namespace) -> list[str]:
+    if args.dataset:
+        return list(args.dataset)
+    if args.data_dir is None:
+        return list(BUNDLED)
+    found = [key for key in PAPER_DATASETS if _paper_file(args.data_dir, key) is not None]
+    if not found:
+        raise ValueError(
+            f"--data-dir {args.data_dir}: none of the paper's datasets found "
+            f"({', '.join(PAPER_DATASETS)} with extension {', '.join(EXTENSIONS)})"
+        )
+    return found
+
+
+def _protocol(name: str, args: argparse.Namespace) -> Protocol:
+    base = QUICK if args.quick else PAPER if name in PAPER_DATASETS else SCALED
+    return dataclasses.replace(
+        base,
+        rounds=base.rounds if args.rounds is None else args.rounds,
+        seeds=base.seeds if args.seeds is None else args.seeds,
+    )
+
+
+def _key(name: str, epsilon: float | None, method: str) -> tuple[str, float | None, str]:
+    """Where a method's outcomes are kept: GD, non-private, once per dataset whatever the budget."""
+    return name, None if method == "GD" else epsilon, method
+
+
+def _one_seed(
+    name: str,
+    dataset: Dataset,
+    protocol: Protocol,
+    seed: int,
+    epsilons: Sequence[float],
+    calibration: str,
+    bar: Any,
+) -> dict[tuple[float | None, str], _Outcome]:
+    """Every method on one seed's split, clients and initialisation: ``{(epsilon, method): outcome}``."""
+    data = _prepare(dataset, seed)
+    init = _model(data.train[0].shape[1], data.train[1].shape[1], seed)
+    bar.set_postfix_str(f"{name} seed {seed} GD")
+    found = {(None, "GD"): _tune("GD", protocol, init, data, None, seed, bar)}
+    for epsilon in epsilons:
+        budget = _Budget(epsilon, DELTA, calibration)
+        noise_seed = derive_seed(seed, round(epsilon * 1e6))
+        for method in METHODS[1:]:
+            bar.set_postfix_str(f"{name} seed {seed} eps {epsilon:g} {method}")
+            diff2 = found[(epsilon, "DIFF2-GD")] if method == "DIFF2-BVR-L-SGD" else None
+            found[(epsilon, method)] = _tune(method, protocol, init, data, budget, noise_seed, bar, diff2)
+    return found
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the experiment (see the module documentation); returns the result document."""
+    epsilons = tuple(args.epsilon or EPSILONS)
+    names = _datasets(args)
+    datasets = {name: _load(name, args.data_dir) for name in names}
+    protocols = {name: _protocol(name, args) for name in names}
+    for protocol in protocols.values():
+        if protocol.rounds < 1 or protocol.seeds < 1:
+            raise ValueError("--rounds and --seeds must be at least 1")
+    total = sum(
+        p.seeds * (1 + len(epsilons) * (len(_grid("DP-GD", p, None)) + len(_grid("DIFF2-GD", p, None)) + 1))
+        for p in protocols.values()
+    )
+    outcomes: dict[tuple[str, float | None, str], list[_Outcome]] = {}
+    records: list[Record] = []
+    threads = 1 if max(len(d) for d in datasets.values()) < ONE_THREAD_BELOW else None
+    with torch_threads(threads), progress(total, NAME) as bar:
+        for name, dataset in datasets.items():
+            for seed in range(protocols[name].seeds):
+                found = _one_seed(name, dataset, protocols[name], seed, epsilons, args.calibration, bar)
+                for (epsilon, method), outcome in found.items():
+                    outcomes.setdefault(_key(name, epsilon, method), []).append(outcome)
+                    delta = None if epsilon is None else DELTA
+                    records.append(
+                        Record(method, name, epsilon, delta, seed, outcome.spent_epsilon, outcome.metrics())
+                    )
+    config = {
+        "datasets": names,
+        "epsilons": list(epsilons),
+        "delta": DELTA,
+        "clients": CLIENTS,
+        "model": f"MLP, one hidden layer of {HIDDEN} softplus units; loss 0.5 ||output - target||^2",
+        "calibration": args.calibration,
+        "quick": bool(args.quick),
+        "protocols": {name: {**asdict(p), "restarts": list(p.restarts)} for name, p in protocols.items()},
+        "hyperparameter_tuning_accounted": False,
+    }
+    doc = document(NAME, config, records)
+    _report(outcomes, names, epsilons, protocols)
+    paths = save(doc, records, args.out)
+    paths += _plots(outcomes, names, epsilons, protocols, args.out)
+    print("\nwrote " + ", ".join(paths))
+    return doc
+
+
+def _report(
+    outcomes: dict[tuple[str, float | None, str], list[_Outcome]],
+    names: Sequence[str],
+    epsilons: Sequence[float],
+    protocols: dict[str, Protocol],
+) -> None:
+    rows, tests = [], []
+    for name in names:
+        for epsilon in epsilons:
+            for method in METHODS:
+                found = outcomes[_key(name, epsilon, method)]
+                spent = [o.spent_epsilon for o in found if o.spent_epsilon is not None]
+                rows.append(
+                    [
+                        name,
+                        epsilon,
+                        method,
+                        max(spent) if spent else "non-private",
+                        *(format_mean_std(o.metrics()[m] for o in found) for m in METRICS),
+                    ]
+                )
+            diff2, dpgd = outcomes[(name, epsilon, "DIFF2-GD")], outcomes[(name, epsilon, "DP-GD")]
+            for label, suffix in (("final", ""), ("min over rounds", "_min")):
+                tests.append(
+                    [
+                        name,
+                        epsilon,
+                        label,
+                        *(
+                            one_sided_ttest(
+                                [o.metrics()[m + suffix] for o in diff2],
+                                [o.metrics()[m + suffix] for o in dpgd],
+                                paired=True,
+                            )
+                            for m in METRICS
+                        ),
+                    ]
+                )
+    print(
+        format_table(
+            ["dataset", "epsilon", "method", "spent epsilon", "train loss", "grad norm^2", "test loss"], rows
+        )
+    )
+    print()
+    print(
+        format_table(["dataset", "epsilon", "values", "p train loss", "p grad norm^2", "p test loss"], tests)
+    )
+    seeds = "/".join(map(str, sorted({p.seeds for p in protocols.values()})))
+    print(
+        f"\nmean ± std over {seeds} seeds of the final values; spent epsilon: the accountant's epsilon at "
+        f"delta={DELTA:g} for what the selected runs released (largest over seeds).\n"
+        "p: one-sided paired t-test (one sample per seed), alternative DIFF2-GD < DP-GD.\n"
+        "Hyper-parameters were tuned on the private training data, as in the paper; that tuning is not "
+        "covered by the privacy accounting."
+    )
+
+
+def _plots(
+    outcomes: dict[tuple[str, float | None, str], list[_Outcome]],
+    names: Sequence[str],
+    epsilons: Sequence[float],
+    protocols: dict[str, Protocol],
+    out: str,
+) -> list[str]:
+    paths = []
+    for name in names:
+        for epsilon in epsilons:
+            panels = {
+                METRIC_TITLES[metric]: {
+                    method: [o.source(metric).curve(metric) for o in outcomes[_key(name, epsilon, method)]]
+                    for method in METHODS
+                }
+                for metric in METRICS
+            }
+            path = os.path.join(out, f"{NAME}_{name}_eps{epsilon:g}.png")
+            plot_curves(
+                path,
+                protocols[name].checkpoints,
+                panels,
+                xlabel="round",
+                title=f"{name}, epsilon = {epsilon:g}, delta = {DELTA:g}",
+            )
+            paths.append(path)
+    return paths

@@ -1,0 +1,126 @@
+"""``dpvr experiment diff2``: result shape, spent epsilon, files, command line, and its pooled shards."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+import dpvr
+from dpvr.cli import main
+from dpvr.cli.experiment import parse
+from dpvr.experiments import diff2
+from dpvr.experiments.common import one_sided_ttest
+from dpvr.optim import DIFF2
+
+RECORD_KEYS = {"method", "dataset", "epsilon", "delta", "seed", "spent_epsilon", "metrics"}
+
+
+def test_tiny_run_gives_every_method_its_records_and_files(tmp_path):
+    args = parse(
+        "diff2",
+        [
+            "--quick",
+            "--rounds",
+            "12",
+            "--seeds",
+            "2",
+            "--dataset",
+            "diabetes",
+            "--epsilon",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    doc = diff2.run(args)
+    assert set(doc) == {"experiment", "config", "versions", "records"}
+    assert doc["experiment"] == "diff2" and doc["config"]["protocols"]["diabetes"]["rounds"] == 12
+    records = doc["records"]
+    assert all(set(r) == RECORD_KEYS for r in records)
+    assert sorted((r["method"], r["seed"]) for r in records) == sorted(
+        (m, s) for m in diff2.METHODS for s in (0, 1)
+    )
+    for r in records:
+        assert all(math.isfinite(r["metrics"][m]) for m in diff2.METRICS), r
+        if r["method"] == "GD":
+            assert r["spent_epsilon"] is None and r["epsilon"] is None
+        else:
+            assert r["epsilon"] == 3.0 and r["delta"] == diff2.DELTA
+            assert 0 < r["spent_epsilon"] <= 3.0 * (1 + 1e-6)
+    with open(tmp_path / "diff2.json") as f:
+        assert json.load(f)["records"] == json.loads(json.dumps(records))
+    with open(tmp_path / "diff2.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(records) and "selected.train_loss.lr" in rows[0]
+    png = tmp_path / "diff2_diabetes_eps3.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_with_the_paper_calibration(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = main(
+        [
+            "experiment",
+            "diff2",
+            "--quick",
+            "--rounds",
+            "6",
+            "--seeds",
+            "1",
+            "--dataset",
+            "breast_cancer",
+            "--epsilon",
+            "5",
+            "--calibration",
+            "paper",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    assert "DIFF2-GD" in capsys.readouterr().out
+    records = json.loads(out.read_text())["records"]
+    for r in records:
+        assert 0 <= r["metrics"]["test_accuracy"] <= 1
+        if r["method"] in ("DP-GD", "DIFF2-GD"):  # Proposition 4.1 is loose: it spends less than its target
+            assert 0 < r["spent_epsilon"] < 5.0
+
+
+def test_unknown_experiment_and_missing_data_dir_are_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["experiment", "nope"])
+    assert main(["experiment", "diff2", "--quick", "--dataset", "covtype"]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+
+
+def test_pooled_equal_shards_run_the_same_algorithm():
+    """The experiment runs the GD-routine methods on the pooled shards: same iterates, same accounting."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(40, 3, generator=g, dtype=torch.float64),
+        torch.randn(40, 1, generator=g, dtype=torch.float64),
+    )
+    clients = [(x[i::4], y[i::4]) for i in range(4)]
+    options = dict(lr=0.2, rounds=7, restart=3, clip1=0.5, clip2=1.0, epsilon=3.0)
+    runs = []
+    for shards in (clients, [(torch.cat([c[0] for c in clients]), torch.cat([c[1] for c in clients]))]):
+        model = diff2._model(3, 1, seed=0)
+        alg = DIFF2(
+            model, diff2.sample_loss, shards, generator=dpvr.NoiseGenerator(5, reproducible=True), **options
+        )
+        alg.run(progress=False)
+        runs.append(alg)
+    for a, b in zip(runs[0].params, runs[1].params):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert runs[0].privacy_spent().epsilon == pytest.approx(runs[1].privacy_spent().epsilon, rel=1e-12)
+
+
+def test_one_sided_paired_t_test():
+    lower, higher = [1.0, 2.0, 3.0, 4.0], [1.5, 2.4, 3.6, 4.4]
+    assert one_sided_ttest(lower, higher, paired=True) < 0.01
+    assert one_sided_ttest(higher, lower, paired=True) > 0.99
+    assert math.isnan(one_sided_ttest([1.0], [2.0], paired=True))

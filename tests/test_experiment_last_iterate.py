@@ -1,0 +1,33 @@
+import json
+
+from dpvr.cli import main
+
+
+def test_last_iterate_experiment_end_to_end(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        [
+            "experiment",
+            "last-iterate",
+            "--epochs",
+            "1",
+            "--seeds",
+            "1",
+            "--epsilon",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
+    assert code == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["experiment"] == "last-iterate" and set(doc) == {"experiment", "config", "versions", "records"}
+    methods = {r["method"] for r in doc["records"]}
+    assert methods == {"composition", "last-iterate (clipped)", "last-iterate (Lipschitz)"}
+    for r in doc["records"]:
+        assert 0 < r["spent_epsilon"] <= 2.0 * (1 + 1e-6)
+        assert 0.0 <= r["metrics"]["test_accuracy"] <= 1.0
+    assert (out / "last-iterate.png").stat().st_size > 0
+    assert "test accuracy" in capsys.readouterr().out
