@@ -181,7 +181,7 @@ def test_experiment_runs_on_a_small_grid(tmp_path, monkeypatch):
     from dpvr.experiments import phased
 
     monkeypatch.setattr(phased, "_SIZES", {name: ((64, 128), ()) for name in phased._SIZES})
-    records = phased.run(quick=True, epsilons=[1.0], seeds=1, out_dir=tmp_path, progress=False)
+    records = phased.run_grid(quick=True, epsilons=[1.0], seeds=1, out_dir=tmp_path, progress=False)
     assert os.path.getsize(tmp_path / "phased.png") > 0
     assert {r.method for r in records} == {"phased-SC", "phased-C", "DP-SGD", "phased-SCSC", "phased-CC",
                                            "DP-SGDA"}

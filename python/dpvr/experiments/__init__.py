@@ -21,6 +21,7 @@ EXPERIMENTS: dict[str, str] = {
     "diff2": "dpvr.experiments.diff2",
     "auc": "dpvr.experiments.auc",
     "last-iterate": "dpvr.experiments.last_iterate",
+    "phased": "dpvr.experiments.phased",
 }
 """Experiment name -> module that implements it."""
 

@@ -31,11 +31,13 @@ theirs depends on the data; it is a diagnostic, not a released quantity).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,8 +46,8 @@ from ..objectives.phased_problems import LogisticRegression, QuadraticSaddle, Ro
 from ..ops import NoiseGenerator, clip_accumulate, noisy_update
 from ..optim.phased import FiniteSumProblem, PhasedOutputPerturbation
 from ..privacy import DPSGD, Accountant
-from ..results import Record
-from .common import derive_seed
+from ..results import Record, document, format_table
+from .common import derive_seed, format_mean_std, save
 from .common import progress as progress_bar
 
 DELTA = 1e-5
@@ -170,8 +172,35 @@ def _baseline(problem: FiniteSumProblem, phased_noise: dict[str, float], seed: i
     return x, y, steps * problem.n, _spent(accountant)
 
 
-def run(*, quick: bool, epsilons: Sequence[float], seeds: int | Sequence[int],
-        out_dir: str | os.PathLike[str], progress: bool = True) -> list[Record]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No flags beyond the shared ones."""
+    del parser
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """``dpvr experiment phased``: the grid, a table per problem, JSON/CSV and ``phased.png``."""
+    epsilons = args.epsilon or ([1.0, 4.0] if args.quick else [0.5, 1.0, 2.0, 4.0])
+    seeds = args.seeds or (2 if args.quick else 5)
+    os.makedirs(args.out, exist_ok=True)
+    records = run_grid(quick=args.quick, epsilons=epsilons, seeds=seeds, out_dir=args.out)
+    rows = []
+    for family in FAMILIES:
+        mine = [r for r in records if r.dataset == family.dataset]
+        for key in sorted({(r.metrics["n"], r.epsilon) for r in mine}):
+            for method in family.methods:
+                cell = [r for r in mine if (r.metrics["n"], r.epsilon) == key and r.method == method]
+                rows.append([family.dataset, *key, method, max(r.spent_epsilon for r in cell),
+                             format_mean_std(r.metrics[family.metric] for r in cell), family.metric,
+                             format_mean_std(r.metrics["grad_evals_per_n"] for r in cell)])
+    print(format_table(["problem", "n", "ε", "method", "spent ε", "value", "metric", "grad evals / n"], rows))
+    doc = document("phased", {"quick": args.quick, "epsilons": list(epsilons), "seeds": seeds,
+                              "delta": DELTA}, records)
+    save(doc, records, args.out)
+    return doc
+
+
+def run_grid(*, quick: bool, epsilons: Sequence[float], seeds: int | Sequence[int],
+             out_dir: str | os.PathLike[str], progress: bool = True) -> list[Record]:
     """Run the grid (families x n x epsilon x seeds x methods); write ``phased.png`` under ``out_dir``."""
     epsilons = [float(e) for e in epsilons]
     if not epsilons or not all(math.isfinite(e) and e > 0 for e in epsilons):
