@@ -2,27 +2,114 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
 
 from .. import ops
+from ..grads import trainable_parameters
 from ..privacy import events
 from .base import LossFn, PrivateAlgorithm, global_norm
 from .gradients import ClippedGradients
 from .sampling import BatchSampler
 
 ROUTINES = ("gd", "bvr-l-sgd")
+Shard = tuple[torch.Tensor, torch.Tensor]
+
+
+def clipped_mean(
+    gradients: ClippedGradients,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    radius: float,
+    out: Sequence[torch.Tensor],
+    previous: Sequence[torch.Tensor] | None = None,
+) -> int:
+    """One client's upload (the paper's ClippedMean, Algorithm 2), written into ``out``.
+
+    The mean over ``inputs`` of per-sample gradients at the model's current parameters (``previous`` is
+    ``None``), or of same-sample differences between them and ``previous``, each clipped to ``radius``.
+    A zero radius (the two points coincide) gives zeros. Returns the number of non-finite samples.
+    Every DIFF2 client, in process or remote, computes its upload with this function, so both release
+    bitwise the same vectors.
+    """
+    for t in out:
+        t.zero_()
+    if radius == 0:
+        return 0
+    if previous is None:
+        dropped = gradients.sum(inputs, targets, radius, out)
+    else:
+        params = [p for _, p in trainable_parameters(gradients.model)]
+        dropped = gradients.diff_sum(inputs, targets, params, previous, radius, out)
+    for t in out:
+        t.div_(len(inputs))
+    return dropped
+
+
+@runtime_checkable
+class ClientTransport(Protocol):
+    """How DIFF2's server reaches its clients. The point is always the model's current parameters.
+
+    :class:`InProcessClients` computes every client in this process; :mod:`dpvr.distributed` sends the
+    point to client processes and receives their uploads. Either way the uploads come back in client
+    order, so the server's average is formed in the same order.
+    """
+
+    sizes: Sequence[int]  # records per client (public)
+
+    def round(
+        self, r: int, restart: bool, radius: float, previous: Sequence[torch.Tensor]
+    ) -> Iterator[tuple[Sequence[torch.Tensor], int]]:
+        """Round ``r``: each client's :func:`clipped_mean` over all its records (differences against
+        ``previous`` unless ``restart``) and its non-finite count, in client order."""
+        ...
+
+    def local(
+        self, r: int, client: int, batch: np.ndarray | None, radius: float, previous: Sequence[torch.Tensor]
+    ) -> tuple[Sequence[torch.Tensor], int]:
+        """A BVR-L-SGD local step of round ``r``: ``client``'s clipped mean of differences against
+        ``previous`` over its records ``batch`` (``None`` when the radius is zero)."""
+        ...
+
+
+class InProcessClients:
+    """Every client's shard in this process, computed one after another (the simulation)."""
+
+    def __init__(self, shards: Sequence[Shard], gradients: ClippedGradients, like: Sequence[torch.Tensor]):
+        for p, (x, y) in enumerate(shards):
+            if len(x) == 0 or len(x) != len(y):
+                raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
+        self.shards, self.gradients = list(shards), gradients
+        self.sizes = [len(x) for x, _ in self.shards]
+        self._out = [torch.zeros_like(t) for t in like]
+
+    def round(
+        self, r: int, restart: bool, radius: float, previous: Sequence[torch.Tensor]
+    ) -> Iterator[tuple[Sequence[torch.Tensor], int]]:
+        for x, y in self.shards:
+            dropped = clipped_mean(self.gradients, x, y, radius, self._out, None if restart else previous)
+            yield self._out, dropped
+
+    def local(
+        self, r: int, client: int, batch: np.ndarray | None, radius: float, previous: Sequence[torch.Tensor]
+    ) -> tuple[Sequence[torch.Tensor], int]:
+        x, y = self.shards[client]
+        if batch is not None:
+            index = torch.as_tensor(batch, dtype=torch.long)
+            x, y = x[index], y[index]
+        return self._out, clipped_mean(self.gradients, x, y, radius, self._out, previous)
 
 
 class DIFF2(PrivateAlgorithm):
     """DIFF2 with the GD routine (DIFF2-GD, Algorithms 1 and 3) or the BVR-L-SGD routine (Algorithm 4).
 
-    ``clients`` is a list of ``(inputs, targets)`` shards, one per client; the objective is the unweighted
-    mean of the clients' empirical risks. Round ``r`` (1-based):
+    ``clients`` is a list of ``(inputs, targets)`` shards, one per client, or a :class:`ClientTransport`
+    that reaches clients elsewhere (:mod:`dpvr.distributed`); the objective is the unweighted mean of the
+    clients' empirical risks. Round ``r`` (1-based):
 
     - restart rounds (``(r - 1) % restart == 0``): every client sends its full-batch mean of per-sample
       gradients at ``x_{r-1}`` clipped to ``clip1``; the server averages them, resets the estimator to that
@@ -55,7 +142,7 @@ class DIFF2(PrivateAlgorithm):
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        clients: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        clients: Sequence[Shard] | ClientTransport,
         *,
         lr: float,
         rounds: int,
@@ -80,11 +167,10 @@ class DIFF2(PrivateAlgorithm):
         chunk_size: int | None = None,
         grad_mode: str = "auto",
     ) -> None:
-        if not clients:
+        remote = isinstance(clients, ClientTransport)
+        sizes = list(clients.sizes) if remote else [len(x) for x, _ in clients]
+        if not sizes:
             raise ValueError("clients: at least one (inputs, targets) shard is required")
-        for p, (x, y) in enumerate(clients):
-            if len(x) == 0 or len(x) != len(y):
-                raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
         if routine not in ROUTINES:
             raise ValueError(f"routine: must be one of {ROUTINES}, got {routine!r}")
         if routine == "gd" and local_steps != 1:
@@ -96,10 +182,9 @@ class DIFF2(PrivateAlgorithm):
         for name, value in (("clip1", clip1), ("clip2", clip2), ("clip3", clip3 or 1.0), ("lr", lr)):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
-        n_min = min(len(x) for x, _ in clients)
         plan = events.DIFF2(
-            n=n_min,
-            clients=len(clients),
+            n=min(sizes),
+            clients=len(sizes),
             rounds=rounds,
             restart=restart,
             local_steps=local_steps,
@@ -125,20 +210,24 @@ class DIFF2(PrivateAlgorithm):
             **options,
         )
         self.sigma = {s: plan.sigma(z, s) for s, z in self.noise.items()}
-        self.clients = list(clients)
         self.lr, self.rounds, self.restart = float(lr), int(rounds), int(restart)
         self.clip1, self.clip2, self.clip3 = float(clip1), float(clip2), clip3
         self.routine, self.local_steps, self.output = routine, local_steps, output
         self.gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
+        # The shards held in this process (none on a distributed aggregator), and how rounds reach them.
+        self.clients = [] if remote else list(clients)
+        self.transport: ClientTransport = (
+            clients if remote else InProcessClients(self.clients, self.gradients, self.flat)
+        )
         zeros = lambda: [torch.zeros_like(f) for f in self.flat]  # noqa: E731
-        self._v, self._agg, self._tmp = zeros(), zeros(), zeros()
+        self._v, self._agg = zeros(), zeros()
         self._prev = [p.detach().clone() for p in self.params]  # x_{r-2} at the start of round r
         self._prev_flat = [t.view(-1) for t in self._prev]
         self._move = 0.0  # ||x_{r-1} - x_{r-2}||: a function of released iterates
         self.samplers = (
             [
-                BatchSampler("wor", len(x), local_batch, None if sampler_seed is None else sampler_seed + p)
-                for p, (x, _) in enumerate(clients)
+                BatchSampler("wor", n, local_batch, None if sampler_seed is None else sampler_seed + p)
+                for p, n in enumerate(sizes)
             ]
             if routine == "bvr-l-sgd"
             else []
@@ -154,23 +243,17 @@ class DIFF2(PrivateAlgorithm):
     def total_steps(self) -> int:
         return self.rounds
 
-    def _server_round(self, restart: bool) -> tuple[float, int]:
+    def _server_round(self, r: int, restart: bool) -> tuple[float, int]:
         radius = self.clip1 if restart else self.clip2 * self._move
         stream = "restart" if restart else "difference"
         admitted = self._admit(stream)
         for a in self._agg:
             a.zero_()
-        dropped = 0
-        if radius > 0:  # a zero radius means x did not move: every difference is exactly zero
-            for x, y in self.clients:
-                for t in self._tmp:
-                    t.zero_()
-                if restart:
-                    dropped += self.gradients.sum(x, y, radius, self._tmp)
-                else:
-                    dropped += self.gradients.diff_sum(x, y, self.params, self._prev, radius, self._tmp)
-                for a, t in zip(self._agg, self._tmp):
-                    a.add_(t, alpha=1.0 / (len(x) * len(self.clients)))
+        dropped, share = 0, 1.0 / len(self.transport.sizes)
+        for mean, count in self.transport.round(r, restart, radius, self._prev):
+            dropped += count
+            for a, m in zip(self._agg, mean):
+                a.add_(m, alpha=share)
         self._move = ops.noisy_update(
             self._v,
             sum=self._agg,
@@ -187,9 +270,8 @@ class DIFF2(PrivateAlgorithm):
 
     def _local_steps(self, r: int) -> int:
         """BVR-L-SGD steps k = 2..K on client r mod P, from x_{1,r-1} with the server estimate."""
-        client = r % len(self.clients)
-        x, y = self.clients[client]
-        sampler, b = self.samplers[client], self.samplers[client].batch_size
+        client = r % len(self.transport.sizes)
+        sampler = self.samplers[client]
         for mine, v in zip(self._local_v, self._v):
             mine.copy_(v)
         for mine, prev in zip(self._local_prev, self._prev):
@@ -198,21 +280,16 @@ class DIFF2(PrivateAlgorithm):
         # A record's privacy loss counts only its own client's local steps. Round robin serves client 1 % P
         # in rounds 1, P + 1, 2P + 1, ..., so it is always the busiest: charging its rounds (the plan's
         # (K - 1) ceil(R/P) releases) accounts the worst-case client as the run goes.
-        charged = (r - 1) % len(self.clients) == 0
+        charged = (r - 1) % len(self.transport.sizes) == 0
         for _ in range(2, self.local_steps + 1):
             radius = self.clip3 * move
             admitted = self._admit("local") if charged else None
-            for t in self._tmp:
-                t.zero_()
-            if radius > 0:
-                batch = torch.as_tensor(sampler.draw(), dtype=torch.long)
-                dropped += self.gradients.diff_sum(
-                    x[batch], y[batch], self.params, self._local_prev, radius, self._tmp
-                )
+            batch = sampler.draw() if radius > 0 else None
+            mean, count = self.transport.local(r, client, batch, radius, self._local_prev)
+            dropped += count
             move = ops.noisy_update(
                 self._local_v,
-                sum=self._tmp,
-                scale=1.0 / b,
+                sum=mean,
                 sigma=self.sigma["local"] * radius,
                 generator=self.generator,
                 stream="local",
@@ -234,7 +311,7 @@ class DIFF2(PrivateAlgorithm):
             for o, p in zip(self.output_params, self.params):
                 o.copy_(p.detach())
         restart = (r - 1) % self.restart == 0
-        radius, dropped = self._server_round(restart)
+        radius, dropped = self._server_round(r, restart)
         if self.routine == "bvr-l-sgd":
             dropped += self._local_steps(r)
         self.steps_done = r

@@ -1,0 +1,137 @@
+"""Distributed DIFF2 on loopback gloo: bitwise equivalence with the simulation, failures, resume."""
+
+import os
+import re
+import time
+
+import pytest
+import torch
+
+import dpvr
+from dpvr.distributed import CHECKPOINT_FORMAT, DistributedError, launch
+from dpvr.experiments.common import torch_threads
+from dpvr.optim import DIFF2
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+
+GD = dict(lr=0.2, rounds=8, restart=3, clip1=0.5, clip2=1.0, sigma1=0.01, sigma2=0.02)
+BVR = dict(GD, routine="bvr-l-sgd", local_steps=3, local_batch=4, clip3=1.0, sigma3=0.05, sampler_seed=3)
+
+
+def model_fn():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Softplus(), torch.nn.Linear(10, 1)).double()
+
+
+def loss(output, target):
+    return 0.5 * (output.squeeze() - target) ** 2
+
+
+class Faulty:
+    """The loss, except on one client rank, which exits, raises or hangs after ``after`` calls."""
+
+    def __init__(self, rank, after, how):
+        self.rank, self.after, self.how, self.calls = rank, after, how, 0
+
+    def __call__(self, output, target):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == self.rank:
+            self.calls += 1
+            if self.calls > self.after:
+                if self.how == "exit":
+                    os._exit(3)
+                if self.how == "hang":
+                    time.sleep(60)
+                raise RuntimeError("injected fault")
+        return loss(output, target)
+
+
+@pytest.fixture
+def shards():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(60, generator=g, dtype=torch.float64)
+    return [(x[i * 20 : (i + 1) * 20], y[i * 20 : (i + 1) * 20]) for i in range(3)]
+
+
+def gen():
+    return dpvr.NoiseGenerator(7, reproducible=True)
+
+
+def simulate(shards, options, rounds=None):
+    """The in-process run, single-threaded like the launched ranks, with its iterate after every round."""
+    alg = DIFF2(model_fn(), loss, shards, generator=gen(), **options)
+    iterates = []
+    with torch_threads(1):
+        for _ in range(rounds or alg.total_steps):
+            alg.step()
+            iterates.append(torch.cat([f.clone() for f in alg.flat]))
+    return alg, iterates
+
+
+@pytest.mark.parametrize("options", [GD, BVR], ids=["gd", "bvr-l-sgd"])
+def test_distributed_run_releases_the_simulated_iterates(shards, options):
+    alg, iterates = simulate(shards, options)
+    out = launch(model_fn(), loss, shards, generator=gen(), keep_iterates=True, **options)
+    run = out.result
+    assert out.ranks == {0: "ok", 1: "ok", 2: "ok", 3: "ok"}
+    assert len(run.iterates) == len(iterates) == 8
+    for r, (a, b) in enumerate(zip(run.iterates, iterates), 1):
+        assert torch.equal(a, b), f"round {r}"
+    assert run.epsilon == alg.privacy_spent().epsilon
+    # Per client and step, one d-vector down (x_{r-1}; the final x_R too) and one up, plus small headers:
+    # 7 float64 down (and b int64 indices for a local step), 2 float64 up; 2 float64 up at the handshake.
+    d, clients, rounds, local = iterates[0].numel(), 3, 8, (16 if options is BVR else 0)
+    assert run.traffic.steps == {"round": rounds, "local": local}
+    assert run.traffic.down == clients * (rounds + 1) * (56 + 8 * d) + local * (56 + 4 * 8 + 8 * d)
+    assert run.traffic.up == clients * 16 + (clients * rounds + local) * (16 + 8 * d)
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "hang"])
+def test_a_failing_client_ends_the_run_on_every_rank(shards, tmp_path, how):
+    path = tmp_path / "run.ckpt"
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as caught:
+        launch(model_fn(), Faulty(2, 6, how), shards, generator=gen(), checkpoint=path, timeout=2.0, **GD)
+    assert time.monotonic() - start < 20
+    message = str(caught.value)
+    expected = {
+        "exit": r"client 1 \(rank 2\) was lost in round (\d+)",
+        "raise": r"client 1 \(rank 2\) failed in round (\d+): RuntimeError: injected fault",
+        "hang": r"client 1 \(rank 2\) did not answer in round (\d+) within 2 s",
+    }[how]
+    found = re.match(expected, message)
+    assert found, message
+    failed = int(found.group(1))
+    assert failed == 5  # the loss runs once per restart round and twice per difference round
+    survivors = [0, 1, 3] if how != "raise" else [0, 1, 2, 3]
+    for rank in survivors:  # every surviving rank raised with the same reason
+        assert caught.value.ranks[rank] == message
+    # No checkpoint for the failed round: the last complete one, intact, and no temporary file.
+    assert sorted(os.listdir(tmp_path)) == ["run.ckpt"]
+    state = torch.load(path, weights_only=False)
+    assert state["format"] == CHECKPOINT_FORMAT and state["state"]["steps_done"] == failed - 1
+
+
+@pytest.mark.parametrize("options", [GD, BVR], ids=["gd", "bvr-l-sgd"])
+def test_resume_from_a_checkpoint_continues_the_same_run(shards, tmp_path, options):
+    alg, iterates = simulate(shards, options)
+    path = tmp_path / "run.ckpt"
+    first = launch(model_fn(), loss, shards, generator=gen(), checkpoint=path, steps=3, **options)
+    assert first.result.steps_done == 3
+    # A fresh generator seed: the noise counters and seed must come from the checkpoint.
+    other = dpvr.NoiseGenerator(99, reproducible=True)
+    rest = launch(
+        model_fn(), loss, shards, generator=other, checkpoint=path, resume=True, keep_iterates=True, **options
+    )
+    assert rest.result.steps_done == 8 and len(rest.result.iterates) == 5
+    for a, b in zip(rest.result.iterates, iterates[3:]):
+        assert torch.equal(a, b)
+    assert rest.result.epsilon == alg.privacy_spent().epsilon
+    assert torch.load(path, weights_only=False)["state"]["steps_done"] == 8
+
+
+def test_checkpoint_of_other_clients_is_refused(shards, tmp_path):
+    path = tmp_path / "run.ckpt"
+    launch(model_fn(), loss, shards, generator=gen(), checkpoint=path, steps=2, **GD)
+    with pytest.raises(DistributedError, match="written for clients of sizes"):
+        launch(model_fn(), loss, shards[:2], generator=gen(), checkpoint=path, resume=True, **GD)
