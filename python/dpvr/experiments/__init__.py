@@ -22,6 +22,9 @@ EXPERIMENTS: dict[str, str] = {
     "auc": "dpvr.experiments.auc",
     "last-iterate": "dpvr.experiments.last_iterate",
     "phased": "dpvr.experiments.phased",
+    "transfer": "dpvr.experiments.transfer",
+    "wgan": "dpvr.experiments.wgan",
+    "td": "dpvr.experiments.td",
 }
 """Experiment name -> module that implements it."""
 
