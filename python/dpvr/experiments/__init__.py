@@ -22,6 +22,7 @@ EXPERIMENTS: dict[str, str] = {
     "auc": "dpvr.experiments.auc",
     "last-iterate": "dpvr.experiments.last_iterate",
     "phased": "dpvr.experiments.phased",
+    "dro": "dpvr.experiments.dro",
     "transfer": "dpvr.experiments.transfer",
     "wgan": "dpvr.experiments.wgan",
     "td": "dpvr.experiments.td",

@@ -6,6 +6,7 @@ from .dpsgd import DPGD, DPSGD
 from .minimax import DPSGDA, MinimaxAlgorithm, PrivateDiff
 from .phased import CertificateError, PhasedOutputPerturbation, PhasedResult
 from .prox import L1, ElasticNet, L2Ball
+from .spider import DoubleSpider, RecursiveSpider
 
 __all__ = [
     "DIFF2",
@@ -15,6 +16,7 @@ __all__ = [
     "L1",
     "BudgetExhaustedError",
     "CertificateError",
+    "DoubleSpider",
     "ElasticNet",
     "L2Ball",
     "MinimaxAlgorithm",
@@ -22,4 +24,5 @@ __all__ = [
     "PhasedResult",
     "PrivateAlgorithm",
     "PrivateDiff",
+    "RecursiveSpider",
 ]

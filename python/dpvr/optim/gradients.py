@@ -47,17 +47,19 @@ class ClippedGradients:
         out: Sequence[torch.Tensor],
         point: Sequence[torch.Tensor] | None = None,
         norms: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ) -> int:
-        """``out += sum_i clip_C(grad l(point; z_i))``; returns the number of non-finite samples."""
+        """``out += sum_i clip_C(w_i grad l(point; z_i))`` (``weights`` ``w`` scale before the norm; default
+        1); returns the number of non-finite samples."""
         if len(inputs) == 0:
             return 0
         if self._ghost is not None:
-            result = self._ghost.clipped_sum(inputs, targets, clip, params=point)
+            result = self._ghost.clipped_sum(inputs, targets, clip, weights=weights, params=point)
             return self._add(result.sums, result.norms, out, norms)
         grads = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
         )
-        return int(ops.clip_accumulate(grads, clip, list(out), norms=norms))
+        return int(ops.clip_accumulate(grads, clip, list(out), weights=weights, norms=norms))
 
     def diff_sum(
         self,
@@ -67,17 +69,22 @@ class ClippedGradients:
         previous: Sequence[torch.Tensor],
         clip: float,
         out: Sequence[torch.Tensor],
+        a: torch.Tensor | None = None,
+        b: torch.Tensor | None = None,
     ) -> int:
-        """``out += sum_i clip_C(grad l(point; z_i) - grad l(previous; z_i))``, the same sample at both."""
+        """``out += sum_i clip_C(a_i grad l(point; z_i) - b_i grad l(previous; z_i))``, the same sample at
+        both points (per-sample scalars ``a``, ``b`` default to 1)."""
         if len(inputs) == 0:
             return 0
         if self._ghost is not None:
-            result = self._ghost.clipped_diff_sum(inputs, targets, list(point), list(previous), clip)
+            result = self._ghost.clipped_diff_sum(
+                inputs, targets, list(point), list(previous), clip, a=a, b=b
+            )
             return self._add(result.sums, result.norms, out, None)
         now, before = per_sample_grads_at_two_points(
             self.model, self.loss_fn, inputs, targets, list(point), list(previous), chunk_size=self.chunk_size
         )
-        return int(ops.clip_accumulate_diff(now, before, clip, list(out)))
+        return int(ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b))
 
     @staticmethod
     def _add(sums, sample_norms, out, norms) -> int:
