@@ -99,13 +99,15 @@ def test_reproducible_per_seed_and_distinct_across_seeds():
     assert not np.allclose(a, c)
 
 
-def test_default_seed_comes_from_the_os_and_fixed_seed_warns():
+def test_default_seed_comes_from_the_os_and_fixed_seed_needs_opt_in():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seeds = {dpvr.NoiseGenerator().seed for _ in range(8)}
     assert len(seeds) == 8
-    with pytest.warns(dpvr.PredictableNoiseWarning):
-        dpvr.NoiseGenerator(seed=1)
+    for refused in (lambda: dpvr.NoiseGenerator(seed=1), lambda: dpvr.NoiseGenerator(1)):
+        with pytest.raises(dpvr.PredictableNoiseError, match="reproducible=True"):
+            refused()
+    assert dpvr.NoiseGenerator(seed=1, reproducible=True).seed == 1
 
 
 def test_state_round_trip_resumes_the_same_noise():

@@ -5,7 +5,7 @@ The public API is re-exported here; see the subpackages for the layers (ops, pri
 
 from .ops import (
     NoiseGenerator,
-    PredictableNoiseWarning,
+    PredictableNoiseError,
     add_noise,
     backends,
     clip_accumulate,
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NoiseGenerator",
-    "PredictableNoiseWarning",
+    "PredictableNoiseError",
     "__version__",
     "add_noise",
     "backends",

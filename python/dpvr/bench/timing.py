@@ -28,8 +28,9 @@ def median_ms(
     return statistics.median(times)
 
 
-def interleaved_median_ms(fns: dict[str, Callable[[], object]], *, repeats: int = 7,
-                          warmup: int = 2) -> dict[str, float]:
+def interleaved_median_ms(
+    fns: dict[str, Callable[[], object]], *, repeats: int = 7, warmup: int = 2
+) -> dict[str, float]:
     """Median wall-clock ms of each function, timed in turn within every round, so that a change in machine
     load during the run affects every method alike (the ratios of one run stay comparable)."""
     for _ in range(warmup):

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import account, bench, experiment
+    from . import account, audit, bench, experiment
 
     parser = argparse.ArgumentParser(prog="dpvr", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (account, bench, experiment):
+    for module in (account, bench, experiment, audit):
         module.register(commands)
     return parser
 

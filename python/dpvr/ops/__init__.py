@@ -11,7 +11,7 @@ from .kernels import (
     per_sample_norms,
     philox_words,
 )
-from .noise import NoiseGenerator, NoiseKey, PredictableNoiseWarning
+from .noise import NoiseGenerator, NoiseKey, PredictableNoiseError
 
 
 def backends() -> dict[str, bool]:
@@ -29,7 +29,7 @@ __all__ = [
     "IndexTerm",
     "NoiseGenerator",
     "NoiseKey",
-    "PredictableNoiseWarning",
+    "PredictableNoiseError",
     "add_noise",
     "backends",
     "clip_accumulate",

@@ -8,7 +8,6 @@ exactly from the generator's state.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +15,9 @@ _MAX_STREAMS = 2**32
 _MAX_STEPS = 2**32
 
 
-class PredictableNoiseWarning(UserWarning):
-    """A fixed seed was given: anyone who knows it can subtract the noise and void the privacy guarantee."""
+class PredictableNoiseError(ValueError):
+    """A fixed seed was given without ``reproducible=True``: anyone who knows the seed can subtract the noise
+    and void the privacy guarantee, so it is refused unless the caller opts in."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class NoiseGenerator:
     Args:
         seed: 64-bit key. ``None`` (the default) draws it from the operating system's CSPRNG, which is what
             a private run needs. A fixed seed makes the noise reproducible *and predictable*.
-        reproducible: set to ``True`` to acknowledge that a fixed seed is intended (tests, debugging,
-            experiments that must be replayed); otherwise a fixed seed warns.
+        reproducible: must be ``True`` to use a fixed seed (tests, debugging, experiments that must be
+            replayed); a fixed seed without it raises :class:`PredictableNoiseError`.
 
     Privacy note: the generator's state contains the seed. A checkpoint holding it must be protected like the
     training data, since the seed lets anyone regenerate and remove the noise.
@@ -49,11 +49,9 @@ class NoiseGenerator:
             if not isinstance(seed, int) or not 0 <= seed < 2**64:
                 raise ValueError(f"seed: must be an integer in [0, 2**64), got {seed!r}")
             if not reproducible:
-                warnings.warn(
-                    "NoiseGenerator(seed=...) makes the privacy noise predictable to anyone who knows "
-                    "the seed; pass reproducible=True if that is intended",
-                    PredictableNoiseWarning,
-                    stacklevel=2,
+                raise PredictableNoiseError(
+                    "seed: a fixed seed makes the privacy noise predictable to anyone who knows it; pass "
+                    "reproducible=True to opt into reproducible noise, or no seed for private noise"
                 )
         self._seed = seed
         self._streams: dict[str, list[int]] = {}  # name -> [stream id, next step]

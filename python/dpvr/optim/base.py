@@ -7,7 +7,12 @@ it fits the budget, then runs, then is recorded.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import math
+import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +27,8 @@ from ..privacy.events import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 STATE_FORMAT = 1
+CHECKPOINT_MAGIC = b"DPVR-CHECKPOINT\n"
+CHECKPOINT_VERSION = 1
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -181,6 +188,65 @@ class PrivateAlgorithm:
                     t.copy_(v)
         self.generator, self.accountant, self.steps_done = generator, accountant, steps
         self._load_extra_state(state["extra"])
+
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Writes :meth:`state_dict` to ``path`` atomically (a temporary file in the same directory, flushed
+        to disk, then renamed over ``path``), so a crash leaves the old checkpoint or the new one, never a
+        mixture. The file is a magic line, a JSON header (format version, payload length, SHA-256 of the
+        payload) and the payload. Like the state, it holds the noise seed: protect it like the data.
+        """
+        buffer = io.BytesIO()
+        torch.save(self.state_dict(), buffer)
+        payload = buffer.getvalue()
+        header = {
+            "version": CHECKPOINT_VERSION,
+            "algorithm": self.name,
+            "length": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+        path = os.fspath(path)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(CHECKPOINT_MAGIC + json.dumps(header).encode() + b"\n" + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restores a :meth:`save_checkpoint` file; refuses (``ValueError``) a file that is truncated,
+        altered, of another format version or of another algorithm, before changing anything."""
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data.startswith(CHECKPOINT_MAGIC):
+            raise ValueError(f"checkpoint {os.fspath(path)!r}: not a dpvr checkpoint (bad magic)")
+        head, sep, payload = data[len(CHECKPOINT_MAGIC) :].partition(b"\n")
+        try:
+            header = json.loads(head) if sep else None
+            version, length, digest = header["version"], int(header["length"]), str(header["sha256"])
+        except (ValueError, TypeError, KeyError):
+            raise ValueError(f"checkpoint {os.fspath(path)!r}: unreadable header (truncated?)") from None
+        if version != CHECKPOINT_VERSION:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r}: format version {version!r}, this dpvr reads "
+                f"{CHECKPOINT_VERSION}"
+            )
+        if len(payload) != length:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r}: truncated or padded ({len(payload)} payload bytes, "
+                f"header says {length})"
+            )
+        if hashlib.sha256(payload).hexdigest() != digest:
+            raise ValueError(f"checkpoint {os.fspath(path)!r}: checksum mismatch (the file was altered)")
+        if header.get("algorithm") != self.name:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r}: written by {header.get('algorithm')!r}, not {self.name}"
+            )
+        self.load_state_dict(torch.load(io.BytesIO(payload), weights_only=True))
 
 
 def _check_tensors(name: str, given: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:

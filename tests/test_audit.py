@@ -1,0 +1,152 @@
+"""The audit: its statistics, every algorithm's bound below its claim, and power against broken variants."""
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dpvr import ops
+from dpvr.audit import (
+    TARGETS,
+    audit,
+    clopper_pearson,
+    epsilon_from_rates,
+    one_run_audit,
+    one_run_lower_bound,
+    threshold_lower_bound,
+)
+from dpvr.audit.targets import diff2_gd, dp_gd
+from dpvr.cli import main
+from dpvr.grads import per_sample_grads_at_two_points
+from dpvr.optim import DIFF2, DPGD
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence chatter
+
+
+def test_clopper_pearson_matches_the_beta_quantiles_and_covers():
+    lower, upper = clopper_pearson(0, 100, 0.05)
+    assert lower == 0.0 and upper == pytest.approx(1 - 0.05 ** (1 / 100))
+    rng = np.random.default_rng(0)
+    misses = sum(clopper_pearson(int(rng.binomial(200, 0.1)), 200, 0.05)[1] < 0.1 for _ in range(400))
+    assert misses / 400 <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 400)
+
+
+def test_rates_to_epsilon():
+    assert epsilon_from_rates(0.01, 0.5, 0.0) == pytest.approx(math.log(50))
+    assert epsilon_from_rates(0.5, 0.5, 0.0) == 0.0
+
+
+def test_threshold_bound_is_valid_and_has_power_on_gaussians():
+    rng = np.random.default_rng(1)
+    same = threshold_lower_bound(rng.normal(size=2000), rng.normal(size=2000), delta=0.0, rng=rng)
+    assert same.epsilon < 0.3
+    apart = threshold_lower_bound(rng.normal(4, 1, 2000), rng.normal(size=2000), delta=0.0, rng=rng)
+    assert 3.0 < apart.epsilon < 8.0  # 4-GDP; a thousand evaluation runs per side cap the bound
+
+
+def test_one_run_bound():
+    assert one_run_lower_bound(50, 100) == 0.0
+    assert one_run_lower_bound(100, 100) > 2.5
+    rng = np.random.default_rng(2)
+    included = rng.random(1000) < 0.5
+    result = one_run_audit(np.where(included, 3.0, 0.0) + rng.normal(size=1000), included, guesses=200)
+    assert result.correct >= 190 and result.epsilon_lower_bound > 2.0
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_algorithm_audits_below_its_claim(name):
+    trials = 60 if name in ("dp-sgd", "diff2-bvr-l-sgd") else 200  # sampled accounting is the slow part
+    result = audit(TARGETS[name].make(), trials, seed=5)
+    assert 0 < result.claimed_epsilon < 2.5
+    assert result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+# ---- deliberately broken variants -------------------------------------------------------------------
+
+
+class HalvedNoise(DPGD):
+    """Adds half the noise it accounts for."""
+
+    def __init__(self, *args, noise_multiplier, **kwargs):
+        super().__init__(*args, noise_multiplier=noise_multiplier / 2, **kwargs)
+        self.accounted = {"gradient": noise_multiplier}
+
+    def _admit(self, stream):
+        return self.plan.step(stream, self.accounted)
+
+
+class SkippedClipping(DPGD):
+    """Accounts for clipping at ``clip`` but passes the gradients through unclipped."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        compute = self.gradients.sum
+        self.gradients.sum = lambda x, y, clip, out, **kw: compute(x, y, 1e30, out, **kw)
+
+
+class LeakedGradient(DPGD):
+    """Logs the unnoised clipped gradient sum in each step's information (which the caller receives)."""
+
+    def step(self):
+        info = super().step()
+        info["grad_sum"] = float(torch.cat([s.reshape(-1) for s in self._sum]).sum())
+        return info
+
+
+class MismatchedDifference(DIFF2):
+    """Pairs sample i at the current point with sample i + 1 at the previous one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+        def diff_sum(x, y, point, previous, clip, out):
+            now, before = per_sample_grads_at_two_points(
+                self.model, self.loss_fn, x, y, list(point), list(previous)
+            )
+            return int(ops.clip_accumulate_diff(now, [torch.roll(b, -1, 0) for b in before], clip, list(out)))
+
+        self.gradients.diff_sum = diff_sum
+
+
+def test_power_clipping_skipped():
+    game = dp_gd(algorithm=SkippedClipping, noise_multiplier=4.0)
+    result = audit(game, 300, seed=6)
+    assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+def test_power_unprivatised_value_released():
+    game = dp_gd(algorithm=LeakedGradient, noise_multiplier=4.0)
+    game.score = lambda trace, _: trace.infos[-1]["grad_sum"]  # the auditor reads what the step returned
+    result = audit(game, 300, seed=7)
+    assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+@pytest.mark.slow
+def test_power_noise_halved():
+    # Two steps at noise multiplier 2 sqrt(2): mu = 1 claimed, mu = 2 run.
+    result = audit(dp_gd(algorithm=HalvedNoise, noise_multiplier=2 * math.sqrt(2)), 4000, seed=8)
+    assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+@pytest.mark.slow
+def test_power_difference_on_different_samples():
+    # Restart rounds nearly free (mu = 0.2) so the claim is the difference round's (mu = 1); pairing
+    # different samples doubles the canary's weight in it.
+    noise = {"restart": 10.0 / 200, "difference": 2.0 / 200}
+    honest = audit(diff2_gd(**noise), 2000, seed=9)
+    broken = audit(diff2_gd(algorithm=MismatchedDifference, **noise), 4000, seed=9)
+    assert honest.epsilon_lower_bound <= honest.claimed_epsilon
+    assert broken.epsilon_lower_bound > broken.claimed_epsilon
+
+
+def test_cli_json(tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    assert main(["audit", "dp-gd", "--trials", "40", "--seed", "1", "--json", str(out)]) == 0
+    assert "audited lower bound" in capsys.readouterr().out
+    record = json.loads(out.read_text())["records"][0]
+    assert record["spent_epsilon"] == pytest.approx(2.0, rel=1e-3)
+    assert set(record["metrics"]) >= {"epsilon_lower_bound", "confidence", "trials"}
+    assert record["metrics"]["trials"] == 40
