@@ -25,7 +25,7 @@ namespace dpvr {
 namespace cpu {
 namespace DPVR_ISA {
 
-constexpr int64_t kCacheBudgetPerThread = 4 << 20;  // per-sample bytes per thread kept in cache between passes
+constexpr int64_t kCacheBudgetPerThread = 1536 * 1024;  // per-sample bytes per thread kept in cache between passes  // per-sample bytes per thread kept in cache between passes  // per-sample bytes per thread kept in cache between passes  // per-sample bytes per thread kept in cache between passes  // per-sample bytes per thread kept in cache between passes  // per-sample bytes per thread kept in cache between passes
 constexpr int64_t kNarrowColumns = 8192;               // at or below this, prefer the sample-parallel schedule
 constexpr int64_t kTile = 1024;                        // columns accumulated per tile (output tile stays in L1)
 constexpr int64_t kSerialBelow = 1 << 16;              // less work than this (elements) runs on one thread
@@ -82,17 +82,29 @@ struct Source {
     }
     r.gs = r.hs = 1;
     if constexpr (sizeof(T) == 4) {
-      double acc = 0.0;
-      for (int64_t j0 = lo; j0 < hi; j0 += kBlock) {
-        const int64_t j1 = std::min(hi, j0 + kBlock);
-        float block = 0.0f;
-#pragma omp simd reduction(+ : block)
-        for (int64_t j = j0; j < j1; ++j) {
-          const float u = r[j];
-          block += u * u;
+      // kLanes float partial sums, each over kBlock / kLanes squares, flushed lane-wise into doubles: no
+      // horizontal reduction inside the loop, and every float chain is shorter than kBlock.
+      constexpr int kLanes = 8;
+      double wide[kLanes] = {};
+      int64_t j0 = lo;
+      for (; j0 + kBlock <= hi; j0 += kBlock) {
+        float lanes[kLanes] = {};
+        for (int64_t j = j0; j < j0 + kBlock; j += kLanes) {
+#pragma omp simd
+          for (int l = 0; l < kLanes; ++l) {
+            const float u = r[j + l];
+            lanes[l] += u * u;
+          }
         }
-        acc += static_cast<double>(block);
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) wide[l] += static_cast<double>(lanes[l]);
       }
+      double acc = 0.0;
+      for (int64_t j = j0; j < hi; ++j) {
+        const double u = static_cast<double>(r[j]);
+        acc += u * u;
+      }
+      for (int l = 0; l < kLanes; ++l) acc += wide[l];
       return acc;
     } else {
       double acc = 0.0;
