@@ -258,3 +258,23 @@ def test_ghost_and_materialised_runs_agree(clients, routine):
     assert set(runs) == {"ghost", "materialised"}
     for a, b in zip(runs["ghost"], runs["materialised"]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_diverging_iterates_raise_a_clear_error(clients):
+    alg = DIFF2(
+        model_fn(),
+        loss,
+        clients,
+        lr=0.1,
+        rounds=4,
+        restart=3,
+        clip1=1.0,
+        clip2=1.0,
+        sigma1=0.1,
+        sigma2=0.1,
+        generator=gen(),
+    )
+    alg.step()
+    alg._move = float("inf")
+    with pytest.raises(RuntimeError, match="diverged"):
+        alg.step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -245,6 +246,11 @@ class DIFF2(PrivateAlgorithm):
 
     def _server_round(self, r: int, restart: bool) -> tuple[float, int]:
         radius = self.clip1 if restart else self.clip2 * self._move
+        if not math.isfinite(radius):
+            raise RuntimeError(
+                f"{self.name}: the iterates diverged (||x_r - x_(r-1)|| = {self._move:g}); "
+                "lower the learning rate"
+            )
         stream = "restart" if restart else "difference"
         admitted = self._admit(stream)
         for a in self._agg:
