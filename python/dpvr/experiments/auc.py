@@ -335,20 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         noise_seed = derive_seed(seed, METHODS.index(method), round((epsilon or 0) * 1e6))
                         best = _tune(method, init, problem, data, protocol, epsilon, noise_seed, bar)
                         found.setdefault((name, epsilon, method), []).append(best)
-                        metrics: dict[str, Any] = {m: best.final[m] for m in METRICS}
-                        metrics["lr"], metrics["lr_y"] = best.lrs
-                        metrics["curves"] = {m: best.curve(m) for m in METRICS}
-                        records.append(
-                            Record(
-                                method,
-                                name,
-                                epsilon,
-                                None if epsilon is None else data.delta,
-                                seed,
-                                best.spent_epsilon,
-                                metrics,
-                            )
-                        )
+                        records.append(run_record(best, method, name, epsilon, data.delta, seed))
     config = {
         "datasets": names,
         "epsilons": list(epsilons),
@@ -368,6 +355,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths += _plots(found, names, epsilons, protocols, args.out)
     print("\nwrote " + ", ".join(paths))
     return doc
+
+
+def run_record(
+    best: _Run, method: str, dataset: str, epsilon: float | None, delta: float, seed: int
+) -> Record:
+    """The result record of a selected run: final metrics, its learning rates and its curves."""
+    metrics: dict[str, Any] = {m: best.final[m] for m in METRICS}
+    metrics["lr"], metrics["lr_y"] = best.lrs
+    metrics["curves"] = {m: best.curve(m) for m in METRICS}
+    return Record(
+        method, dataset, epsilon, None if epsilon is None else delta, seed, best.spent_epsilon, metrics
+    )
 
 
 def _report(

@@ -156,20 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             method, copy.deepcopy(init), problem, data, protocol, epsilon, noise_seed, bar
                         )
                         found.setdefault((name, epsilon, method), []).append(best)
-                        metrics: dict[str, Any] = {m: best.final[m] for m in auc.METRICS}
-                        metrics["lr"], metrics["lr_y"] = best.lrs
-                        metrics["curves"] = {m: best.curve(m) for m in auc.METRICS}
-                        records.append(
-                            Record(
-                                method,
-                                name,
-                                epsilon,
-                                None if epsilon is None else data.delta,
-                                seed,
-                                best.spent_epsilon,
-                                metrics,
-                            )
-                        )
+                        records.append(auc.run_record(best, method, name, epsilon, data.delta, seed))
     config = {
         "datasets": names,
         "epsilons": list(epsilons),
