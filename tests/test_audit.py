@@ -18,7 +18,7 @@ from dpvr.audit import (
     one_run_lower_bound,
     threshold_lower_bound,
 )
-from dpvr.audit.targets import diff2_gd, dp_gd
+from dpvr.audit.targets import diff2_gd, double_spider, dp_gd, dp_sgda, private_diff, recursive_spider
 from dpvr.cli import main
 from dpvr.grads import per_sample_grads_at_two_points
 from dpvr.optim import DIFF2, DPGD
@@ -58,10 +58,27 @@ def test_one_run_bound():
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_every_algorithm_audits_below_its_claim(name):
-    trials = 60 if name in ("dp-sgd", "diff2-bvr-l-sgd") else 200  # sampled accounting is the slow part
+    sampled = ("dp-sgd", "diff2-bvr-l-sgd", "recursive-spider")
+    trials = 60 if name in sampled else 200  # sampled accounting is the slow part
     result = audit(TARGETS[name].make(), trials, seed=5)
     assert 0 < result.claimed_epsilon < 2.5
     assert result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+@pytest.mark.parametrize(
+    ("make", "streams", "expected"),
+    [
+        (dp_sgda, ("x", "y"), 2 * 2 / 8),  # two steps of lr 1, each moved by 2 C / n between the sides
+        (private_diff, ("checkpoint", "y"), 2 * 2 / 8),
+        (double_spider, ("eta-refresh", "x-refresh"), 2 * 2 / 8),
+        (recursive_spider, ("v-refresh", "u-refresh", "s"), 2 / 8),  # one step; the score is the estimator
+    ],
+)
+def test_white_box_canary_spends_the_whole_sensitivity(make, streams, expected):
+    # Without noise the two sides' scores differ by the canary's full replace-one sensitivity along e.
+    game = make(**dict.fromkeys(streams, 1e-9))
+    scores = [game.play(side, ops.NoiseGenerator(3, reproducible=True), 3, False)[0] for side in (0, 1)]
+    assert scores[0] - scores[1] == pytest.approx(expected, rel=1e-6)
 
 
 # ---- deliberately broken variants -------------------------------------------------------------------

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..objectives import MinimaxProblem
 from ..ops import NoiseGenerator
 
 CANARY_SCALE = 1e3  # the canary's gradient norm, in clip radii: far outside every radius the games use
@@ -88,11 +89,23 @@ class AlgorithmGame:
         return float(self.score(trace, algorithm)), claimed
 
 
-def descent_score(direction: Sequence[float]) -> Callable[[Trace, Any], float]:
-    """``(x_0 - x_T) . e``: how far the run moved against ``e``, the canary's clipped gradient direction."""
+def descent_score(
+    direction: Sequence[float], step_size: Callable[[dict[str, float], Any], float] | None = None
+) -> Callable[[Trace, Any], float]:
+    """``(x_0 - x_T) . e``: how far the run moved against ``e``, the canary's clipped gradient direction.
+
+    With ``step_size(info, algorithm)`` (the released step size of a step, from its information), each
+    step's move is divided by it first: the sum of the released estimators projected on ``e``."""
     e = np.asarray(direction, dtype=np.float64)
     e = e / np.linalg.norm(e)
-    return lambda trace, _: float((trace.params[0] - trace.params[-1]) @ e)
+
+    def score(trace: Trace, algorithm: Any) -> float:
+        if step_size is None:
+            return float((trace.params[0] - trace.params[-1]) @ e)
+        moves = np.diff(np.stack(trace.params), axis=0) @ -e
+        return float(sum(m / step_size(info, algorithm) for m, info in zip(moves, trace.infos)))
+
+    return score
 
 
 def diff2_score(n: int) -> Callable[[Trace, Any], float]:
@@ -147,6 +160,19 @@ def white_box_records(
     else:
         second[1][0] = torch.tensor(neighbour, dtype=torch.float64)
     return first, second
+
+
+class CanaryMinimax(MinimaxProblem):
+    """``f(x, y; z) = canary_loss(o, t) - y^2 / 2`` on ``Y = [-1, 1]``: the records of
+    :func:`white_box_records` carry their (known) gradients in ``x`` only; ``y``'s gradient is public."""
+
+    y_dim, strong_concavity, diameter, y_lipschitz = 1, 1.0, 2.0, 1.0
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return canary_loss(output, target) - 0.5 * (y**2).sum()
+
+    def project(self, y: torch.Tensor) -> torch.Tensor:
+        return y.clamp(-1.0, 1.0)
 
 
 def scalar_model(weight: float = 0.0) -> nn.Module:

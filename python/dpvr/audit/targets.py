@@ -15,10 +15,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..objectives.divergences import KL
 from ..ops import NoiseGenerator
-from ..optim import DIFF2, DPGD, DPSGD, PhasedOutputPerturbation
+from ..optim import (
+    DIFF2,
+    DPGD,
+    DPSGD,
+    DPSGDA,
+    DoubleSpider,
+    PhasedOutputPerturbation,
+    PrivateDiff,
+    RecursiveSpider,
+)
 from .games import (
     AlgorithmGame,
+    CanaryMinimax,
     Game,
     canary_loss,
     descent_score,
@@ -45,10 +56,13 @@ class Target:
     trials: int = 4000
 
 
-def _calibrated(cls: type, build: Callable[..., Any], epsilon: float, delta: float) -> dict[str, float]:
-    """The noise the real algorithm calibrates for ``epsilon`` at this configuration (calibrated once)."""
+def _calibrated(
+    cls: type, build: Callable[..., Any], epsilon: float, delta: float, attribute: str = "noise"
+) -> dict[str, float]:
+    """The noise the real algorithm calibrates for ``epsilon`` at this configuration (calibrated once), per
+    stream: its noise multipliers (``attribute="noise"``) or the paper's sigmas (``"sigma"``)."""
     algorithm = build(cls, NoiseGenerator(), 0, epsilon=epsilon)
-    return dict(algorithm.noise if cls is not DIFF2 else algorithm.sigma)
+    return dict(getattr(algorithm, attribute))
 
 
 def dp_gd(epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPGD, **noise: float) -> Game:
@@ -145,7 +159,7 @@ def _diff2(routine: str, epsilon: float, delta: float, algorithm: type, noise: d
             **options,
         )
 
-    sigma = noise or _calibrated(DIFF2, build, epsilon, delta)
+    sigma = noise or _calibrated(DIFF2, build, epsilon, delta, "sigma")
     options = {
         f"sigma{i}": sigma[s] for i, s in ((1, "restart"), (2, "difference"), (3, "local")) if s in sigma
     }
@@ -216,6 +230,187 @@ def dp_gd_input(
     )
 
 
+# ---- white-box canaries of the minimax and DRO algorithms ----------------------------------------------
+# Each runs on the replace-one records of dp_gd (canary gradient +C e against its mirror -C e, 8 records,
+# full batches) and scores the released x-moves projected on e: the canary's whole influence is in the x
+# estimator; the other blocks (y, eta, lambda, s) are the same on both sides at the start.
+
+_RECORDS = white_box_records(8, canary=(1.0, 0.0), neighbour=(-1.0, 0.0))
+
+
+def _white_box_game(
+    name: str,
+    delta: float,
+    real: type,
+    algorithm: type,
+    build: Callable[..., Any],
+    epsilon: float,
+    noise: dict[str, float],
+    keywords: Callable[[dict[str, float]], dict[str, Any]],
+    score: Callable[..., float],
+    attribute: str = "noise",
+) -> Game:
+    """A game on ``build(cls, generator, seed, side, **options)``: the noise is ``noise`` (per stream) or
+    what ``real`` calibrates for ``epsilon``; ``keywords`` turns it into the constructor's options."""
+    options = keywords(noise or _calibrated(real, build, epsilon, delta, attribute))
+    return AlgorithmGame(
+        name, delta, lambda side, gen, seed: build(algorithm, gen, seed, side, **options), score
+    )
+
+
+def _minimax(cls: type, delta: float, **config: Any) -> Callable[..., Any]:
+    def build(algorithm, generator, seed, side=0, **options):
+        x, y = _RECORDS[side]
+        return algorithm(
+            scalar_model(),
+            CanaryMinimax(),
+            x,
+            y,
+            lr=1.0,
+            lr_y=1.0,
+            batch_size=None,
+            sampling="full",
+            delta=delta,
+            accountant="pld",
+            generator=generator,
+            sampler_seed=seed,
+            **config,
+            **options,
+        )
+
+    return build
+
+
+def dp_sgda(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPSGDA, **noise: float
+) -> Game:
+    """DP-SGDA, full batch, 2 steps; the canary's gradient is in x (noise per stream: ``x``, ``y``)."""
+    build = _minimax(DPSGDA, delta, steps=2, clip_x=1.0, clip_y=1.0)
+    names = {"x": "sigma_x", "y": "sigma_y"}
+    keywords = lambda sigma: {names[s]: v for s, v in sigma.items()}  # noqa: E731
+    return _white_box_game(
+        "DP-SGDA", delta, DPSGDA, algorithm, build, epsilon, noise, keywords, descent_score([1.0]), "sigma"
+    )
+
+
+def private_diff(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = PrivateDiff, **noise: float
+) -> Game:
+    """PrivateDiff, full batch, 2 checkpoint rounds (``restart=1``) of one y-ascent step and an x-step
+    each (noise per stream: ``checkpoint``, ``y``). Its difference rounds are not audited here."""
+    build = _minimax(
+        PrivateDiff, delta, rounds=2, restart=1, y_steps=1, clip0=1.0, clip1=1.0, clip2=1.0, clip3=0.0
+    )
+    names = {"checkpoint": "sigma_x1", "difference": "sigma_x2", "y": "sigma_y"}
+    keywords = lambda sigma: {names[s]: v for s, v in sigma.items()}  # noqa: E731
+    return _white_box_game(
+        "PrivateDiff",
+        delta,
+        PrivateDiff,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        keywords,
+        descent_score([1.0]),
+        "sigma",
+    )
+
+
+def _spider(cls: type, delta: float, accountant: str, **config: Any) -> Callable[..., Any]:
+    def build(algorithm, generator, seed, side=0, **options):
+        x, y = _RECORDS[side]
+        return algorithm(
+            scalar_model(),
+            canary_loss,
+            x,
+            y,
+            batch_sizes=(len(x),) * 4,
+            lr=1.0,
+            delta=delta,
+            accountant=accountant,
+            generator=generator,
+            sampler_seed=seed,
+            **config,
+            **options,
+        )
+
+    return build
+
+
+def double_spider(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DoubleSpider, **noise: float
+) -> Game:
+    """Double-SPIDER (KL), full batches, 2 refresh steps (``epoch_size=1``). ``lam`` is large so the
+    canary's dual weight ``exp((l - eta) / lam)`` stays near 1 and its clipped x-gradient at the full radius
+    as x moves; ``max_move`` is out of reach, so the step is ``lr v`` (noise per stream: ``eta-refresh``,
+    ``x-refresh``). Its difference steps are not audited here."""
+    build = _spider(
+        DoubleSpider,
+        delta,
+        "pld",
+        divergence=KL(),
+        lam=1e5,
+        steps=2,
+        epoch_size=1,
+        lr_eta=1.0,
+        max_move=1e9,
+        clip1=1.0,
+        clip2=(1.0, 1.0),
+        clip3=1.0,
+        clip4=(1.0, 1.0),
+    )
+    return _white_box_game(
+        "Double-SPIDER",
+        delta,
+        DoubleSpider,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        lambda z: {"noise": z},
+        descent_score([1.0]),
+    )
+
+
+def recursive_spider(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = RecursiveSpider, **noise: float
+) -> Game:
+    """Recursive-SPIDER, one refresh step (full batches; ``s`` from one sampled record, RDP accounting).
+    With ``lam = lam0 = 1`` and the loss cap ``B = 1`` the canary's weight ``exp(-1)`` leaves its clipped
+    x-gradient at the full radius; the x-step is ``lr (lam / s') v`` with the released ``s``, so the score
+    divides it out (noise per stream: ``v-refresh``, ``u-refresh``, ``s``). Difference steps not audited."""
+    build = _spider(
+        RecursiveSpider,
+        delta,
+        "rdp",
+        rho=0.1,
+        lam0=1.0,
+        lam_init=1.0,
+        steps=1,
+        epoch_size=1,
+        lr_lam=1.0,
+        beta=1.0,
+        loss_bound=1.0,
+        clip1=1.0,
+        clip2=1.0,
+        clip3=1.0,
+        clip4=1.0,
+    )
+    step = lambda info, alg: alg.lr * alg.lam0 / max(info["s"], alg.s_floor)  # noqa: E731
+    return _white_box_game(
+        "Recursive-SPIDER",
+        delta,
+        RecursiveSpider,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        lambda z: {"noise": z},
+        descent_score([1.0], step),
+    )
+
+
 @dataclass
 class PhasedGame:
     """Phased output perturbation (setting ``sc``) on logistic regression with ridge ``l2 = 1``: 16 records,
@@ -257,5 +452,16 @@ TARGETS: dict[str, Target] = {
             "diff2-bvr-l-sgd", "DIFF2-BVR-L-SGD, restart plus a local difference step", diff2_bvr, trials=1000
         ),
         Target("phased", "phased output perturbation (sc), logistic regression", phased, trials=2000),
+        Target("dp-sgda", "DP-SGDA, white-box gradient canary in x", dp_sgda),
+        Target(
+            "private-diff", "PrivateDiff, white-box gradient canary in x (checkpoint rounds)", private_diff
+        ),
+        Target("double-spider", "Double-SPIDER (KL-DRO), white-box gradient canary in x", double_spider),
+        Target(
+            "recursive-spider",
+            "Recursive-SPIDER (KL-DRO), white-box gradient canary in x",
+            recursive_spider,
+            trials=1000,  # the sampled s-stream's RDP accounting, recorded every run, is the slow part
+        ),
     )
 }
