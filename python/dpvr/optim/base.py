@@ -40,6 +40,11 @@ class PrivateAlgorithm:
 
     Subclasses set ``plan`` (the :mod:`dpvr.privacy.events` description of the run), ``noise`` (noise
     multiplier per stream), implement :meth:`step` and list their state tensors in :meth:`_buffers`.
+
+    What the guarantee covers: the released iterates (or, for last-iterate algorithms, the last one). The
+    dictionaries :meth:`step` returns are diagnostics for the data holder: entries such as ``nonfinite``
+    (samples dropped for non-finite gradients) are computed from the private data without noise and must
+    not be published; entries derived from released iterates (clip radii, step lengths) may be.
     """
 
     name = "private-algorithm"
