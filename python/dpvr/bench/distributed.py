@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from ..distributed import launch
-from ..experiments.common import torch_threads
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DIFF2
 from ..results import Record, document, format_table, write_json
 

@@ -52,15 +52,19 @@ from .driver import (
     Traffic,
     aggregate,
     load_checkpoint,
+    run_rounds,
     save_checkpoint,
     serve,
+    serve_runs,
 )
-from .group import DistributedError, Group, init_group
+from .group import DistributedError, Group, init_group, join_group
 from .launch import LaunchResult, launch
+from .pool import ClientPool
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "AggregatorResult",
+    "ClientPool",
     "DistributedError",
     "Group",
     "LaunchResult",
@@ -68,8 +72,11 @@ __all__ = [
     "Traffic",
     "aggregate",
     "init_group",
+    "join_group",
     "launch",
     "load_checkpoint",
+    "run_rounds",
     "save_checkpoint",
     "serve",
+    "serve_runs",
 ]

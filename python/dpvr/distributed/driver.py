@@ -7,19 +7,25 @@ path, which is why a distributed run releases bitwise the iterates of the simula
 
 Messages (point to point, aggregator <-> client ``p`` on rank ``p + 1``):
 
-- down: a float64 header ``[op, round, restart, radius, client, has_previous, batch_length]``, for a local
-  step the batch's record indices (int64), then the point in the parameters' dtype: ``x_{r-1}`` for a
-  round (followed by ``x_{r-2}`` when the client cannot have it: a difference round first after a resume),
-  ``x_{k-1,r-1}`` for a local step, the released ``x_R`` at the end;
+- down, between runs of a :class:`~dpvr.distributed.ClientPool`: the header with op ``RUN`` and the byte
+  count in its last slot, then the run (model, loss, the client's shard, gradient options; pickled), or
+  op ``CLOSE``;
+- down, in a run: a float64 header ``[op, round, restart, radius, client, has_previous, batch_length]``,
+  for a local step the batch's record indices (int64), then the point in the parameters' dtype:
+  ``x_{r-1}`` for a round (followed by ``x_{r-2}`` when the client cannot have it: a difference round
+  first after a resume), ``x_{k-1,r-1}`` for a local step, the released ``x_R`` at the end;
 - up: a float64 ``[status, non-finite count]`` and the client's clipped mean (one d-vector).
 
 A client keeps the previous round's point as ``x_{r-2}`` and its previous local point as ``x_{k-2,r-1}``,
 so each step moves one d-vector each way.
+
+Runs are unpickled by the clients: they come from the aggregator, which this threat model trusts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import tempfile
@@ -39,7 +45,7 @@ from ..optim.base import LossFn
 from ..optim.diff2 import ClippedGradients, Shard, clipped_mean
 from .group import AGGREGATOR, DistributedError, Group, seconds
 
-ROUND, LOCAL, STOP, ABORT = 1, 2, 3, 4
+ROUND, LOCAL, STOP, ABORT, RUN, CLOSE = 1, 2, 3, 4, 5, 6
 HEADER = 7
 OK, FAILED = 0, 1
 CHECKPOINT_FORMAT = 1
@@ -48,10 +54,12 @@ CHECKPOINT_KIND = "dpvr.distributed.DIFF2"
 
 @dataclass
 class Traffic:
-    """Bytes the aggregator sent and received, headers included."""
+    """Bytes the aggregator sent and received in a run, headers included; ``shipped``: the bytes of the
+    run itself sent to pooled clients (model, loss, shards), which a deployment's clients already hold."""
 
     down: int = 0
     up: int = 0
+    shipped: int = 0
     steps: dict[str, int] = field(default_factory=lambda: {"round": 0, "local": 0})
 
 
@@ -68,10 +76,13 @@ class RemoteClients:
     """DIFF2's client transport on the aggregator: requests go to the client ranks, means come back.
 
     ``params`` are the aggregator model's parameters (the point sent is always their current value).
-    Construction performs the handshake in which each client reports its shard size and dimension.
+    ``runs``: for clients in :func:`serve_runs`, each client's pickled run, sent first. Construction
+    performs the handshake in which each client reports its shard size and dimension.
     """
 
-    def __init__(self, group: Group, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, group: Group, params: Sequence[torch.Tensor], runs: Sequence[bytes] | None = None
+    ) -> None:
         if group.rank != AGGREGATOR:
             raise ValueError("RemoteClients runs on the aggregator (rank 0)")
         dtypes = {p.dtype for p in params}
@@ -83,6 +94,9 @@ class RemoteClients:
         self.dim, self.dtype = sum(self._numels), dtypes.pop()
         self.traffic = Traffic()
         self.step_name = "start"
+        for k, run in enumerate(runs or (), 1):
+            payload = torch.frombuffer(bytearray(run), dtype=torch.uint8).to(group.device)
+            self.traffic.shipped += self._send([k], [self._header(RUN, 0, batch=len(run)), payload])
         hello = [torch.zeros(2, dtype=torch.float64, device=group.device) for _ in range(group.clients)]
         self._receive(0, [[h] for h in hello], what="report its shard")
         self.sizes = [int(h[0]) for h in hello]
@@ -115,14 +129,15 @@ class RemoteClients:
         values = [op, r, float(restart), radius, client, float(previous), batch]
         return torch.tensor(values, dtype=torch.float64, device=self.group.device)
 
-    def _send(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+    def _send(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> int:
+        """Sends ``tensors`` to every rank in ``ranks``; returns the bytes sent."""
         works = [dist.isend(t, dst=k) for k in ranks for t in tensors]
         for k, w in zip((k for k in ranks for _ in tensors), works):
             try:
                 _wait(w, self.group.timeout)
             except (RuntimeError, TimeoutError) as err:
                 self._lost(k - 1, f"could not be reached in {self.step_name} ({_short(err)})")
-        self.traffic.down += len(ranks) * sum(map(_nbytes, tensors))
+        return len(ranks) * sum(map(_nbytes, tensors))
 
     def _receive(
         self,
@@ -182,7 +197,8 @@ class RemoteClients:
         resend = not restart and (self._sent is None or not torch.equal(self._sent, prev))
         payload = torch.cat([point, prev]) if resend else point
         ranks = range(1, self.group.world)
-        self._send(ranks, [self._header(ROUND, r, restart, radius, previous=resend), payload])
+        header = self._header(ROUND, r, restart, radius, previous=resend)
+        self.traffic.down += self._send(ranks, [header, payload])
         self._receive(r, self._replies)
         self._sent = point
         self.traffic.steps["round"] += 1
@@ -199,7 +215,7 @@ class RemoteClients:
         tensors = (
             [header, index.to(self.group.device), self._point()] if len(index) else [header, self._point()]
         )
-        self._send([client + 1], tensors)
+        self.traffic.down += self._send([client + 1], tensors)
         self._receive(r, [self._replies[client]], ranks=[client + 1])
         self.traffic.steps["local"] += 1
         return self._means(self._replies[client])
@@ -207,7 +223,7 @@ class RemoteClients:
     def close(self) -> None:
         """Sends every client the released final iterate and ends their loops."""
         self.step_name = "the final broadcast"
-        self._send(range(1, self.group.world), [self._header(STOP, 0), self._point()])
+        self.traffic.down += self._send(range(1, self.group.world), [self._header(STOP, 0), self._point()])
 
 
 def _short(err: BaseException) -> str:
@@ -251,17 +267,7 @@ def serve(
     where = "before the first round"
 
     def receive(t: torch.Tensor) -> None:
-        try:
-            work = dist.irecv(t, src=AGGREGATOR)
-            _wait(work, group.idle_timeout)
-        except TimeoutError:
-            _stop(
-                group,
-                f"client {client} heard nothing from the aggregator within {group.idle_timeout:g} s "
-                f"({where})",
-            )
-        except RuntimeError as err:
-            _stop(group, f"client {client} lost the aggregator {where} ({_short(err)})")
+        _listen(group, t, where)
 
     def load(point: torch.Tensor) -> None:
         with torch.no_grad():
@@ -307,6 +313,52 @@ def serve(
             status[0], reply = FAILED, torch.zeros(dim, dtype=dtype, device=device)
         dist.send(status, dst=AGGREGATOR)
         dist.send(reply, dst=AGGREGATOR)
+
+
+def _listen(group: Group, t: torch.Tensor, where: str) -> None:
+    """A client receives ``t`` from the aggregator, waiting up to ``idle_timeout`` seconds."""
+    client = group.rank - 1
+    try:
+        _wait(dist.irecv(t, src=AGGREGATOR), group.idle_timeout)
+    except TimeoutError:
+        _stop(
+            group,
+            f"client {client} heard nothing from the aggregator within {group.idle_timeout:g} s ({where})",
+        )
+    except RuntimeError as err:
+        _stop(group, f"client {client} lost the aggregator {where} ({_short(err)})")
+
+
+def serve_runs(group: Group) -> int:
+    """The client loop of a :class:`~dpvr.distributed.ClientPool`: one :func:`serve` per run the aggregator
+    sends, until it closes the pool. Returns the number of runs served.
+
+    Each run brings the model (its architecture: every request carries the point), the loss, this
+    client's shard and the aggregator's gradient options, so the client computes what the in-process
+    client would. It never receives the noise seed or the accountant.
+    """
+    client, served = group.rank - 1, 0
+    header = torch.zeros(HEADER, dtype=torch.float64, device=group.device)
+    while True:
+        where = f"between runs {served} and {served + 1}" if served else "before the first run"
+        _listen(group, header, where)
+        op, length = int(header[0]), int(header[-1])
+        if op == CLOSE:
+            return served
+        if op == ABORT:
+            _stop(group, f"the aggregator ended the run ({where})")
+        failure = f"client {client} (rank {group.rank}) could not load run {served + 1}"
+        if op != RUN:
+            _stop(group, group.fail(f"{failure}: unexpected message {op}"))
+        payload = torch.empty(length, dtype=torch.uint8, device=group.device)
+        _listen(group, payload, where)
+        try:
+            run = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
+            model, shard = run["model"].to(group.device), tuple(t.to(group.device) for t in run["shard"])
+        except Exception as err:
+            _stop(group, group.fail(f"{failure}: {type(err).__name__}: {err}"))
+        serve(group, model, run["loss_fn"], shard, grad_mode=run["grad_mode"], chunk_size=run["chunk_size"])
+        served += 1
 
 
 def _stop(group: Group, fallback: str) -> NoReturn:
@@ -385,6 +437,29 @@ def aggregate(
     group: Group,
     model: nn.Module,
     loss_fn: LossFn,
+    **options: Any,
+) -> AggregatorResult:
+    """The aggregator (rank 0): DIFF2 on ``model`` with the clients of ``group`` (each in :func:`serve`).
+
+    ``options`` are :func:`run_rounds`'s. Any failure, here or on a client, ends the run on every rank
+    with a :class:`DistributedError`, after the last complete checkpoint.
+    """
+    clients = RemoteClients(group, [p for _, p in trainable_parameters(model)])
+    try:
+        result = run_rounds(clients, model, loss_fn, **options)
+        clients.close()
+    except DistributedError:
+        raise
+    except BaseException as err:
+        clients.end(f"the aggregator failed in {clients.step_name}: {type(err).__name__}: {err}")
+        raise
+    return result
+
+
+def run_rounds(
+    clients: RemoteClients,
+    model: nn.Module,
+    loss_fn: LossFn,
     *,
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 1,
@@ -393,41 +468,27 @@ def aggregate(
     keep_iterates: bool = False,
     **options: Any,
 ) -> AggregatorResult:
-    """The aggregator (rank 0): DIFF2 on ``model`` with the clients of ``group``.
+    """DIFF2's rounds on the aggregator, with ``clients`` as its transport (which it leaves open).
 
     ``options`` are :class:`~dpvr.optim.DIFF2`'s (``generator`` lives here only). A checkpoint is written
     after every ``checkpoint_every`` rounds and after the last one run; ``resume`` starts from it when
-    it exists. ``steps`` bounds the rounds run now (default: the rest of the plan). Any failure, here or
-    on a client, ends the run on every rank with a :class:`DistributedError`, after the last complete
-    checkpoint.
+    it exists. ``steps`` bounds the rounds run now (default: the rest of the plan).
     """
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every: must be >= 1, got {checkpoint_every}")
-    clients = RemoteClients(group, [p for _, p in trainable_parameters(model)])
-    try:
-        alg = DIFF2(model, loss_fn, clients, **options)
-        if resume and checkpoint is not None and os.path.exists(checkpoint):
-            load_checkpoint(checkpoint, alg)
-        todo = (
-            alg.total_steps - alg.steps_done
-            if steps is None
-            else min(steps, alg.total_steps - alg.steps_done)
-        )
-        history, round_ms, iterates = [], [], []
-        for i in range(todo):
-            start = time.perf_counter()
-            history.append(alg.step())
-            round_ms.append((time.perf_counter() - start) * 1e3)
-            if keep_iterates:
-                iterates.append(torch.cat([f.clone() for f in alg.flat]))
-            if checkpoint is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == todo):
-                save_checkpoint(checkpoint, alg)
-        clients.close()
-    except DistributedError:
-        raise
-    except BaseException as err:
-        clients.end(f"the aggregator failed in {clients.step_name}: {type(err).__name__}: {err}")
-        raise
+    alg = DIFF2(model, loss_fn, clients, **options)
+    if resume and checkpoint is not None and os.path.exists(checkpoint):
+        load_checkpoint(checkpoint, alg)
+    todo = alg.total_steps - alg.steps_done if steps is None else min(steps, alg.total_steps - alg.steps_done)
+    history, round_ms, iterates = [], [], []
+    for i in range(todo):
+        start = time.perf_counter()
+        history.append(alg.step())
+        round_ms.append((time.perf_counter() - start) * 1e3)
+        if keep_iterates:
+            iterates.append(torch.cat([f.clone() for f in alg.flat]))
+        if checkpoint is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == todo):
+            save_checkpoint(checkpoint, alg)
     spent = alg.privacy_spent()
     return AggregatorResult(
         history=history,

@@ -81,13 +81,34 @@ def init_group(
     device: str | None = None,
 ) -> Group:
     """Joins the run from the ``env://`` variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, as ``torchrun`` and :func:`dpvr.distributed.launch` set them).
+    ``WORLD_SIZE``, as ``torchrun`` and :class:`dpvr.distributed.ClientPool` set them).
 
     ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); by default NCCL when CUDA is available and
     ``device`` is not ``"cpu"``. Each rank uses ``cuda:LOCAL_RANK`` with NCCL.
     """
-    if not timeout > 0 or not idle_timeout > 0:
-        raise ValueError("timeout and idle_timeout must be > 0 seconds")
+    _check_timeouts(timeout, idle_timeout)
+    store, rank, world = next(dist.rendezvous("env://", timeout=seconds(idle_timeout)))
+    return join_group(
+        store, rank, world, timeout=timeout, idle_timeout=idle_timeout, backend=backend, device=device
+    )
+
+
+def join_group(
+    store: dist.Store,
+    rank: int,
+    world: int,
+    *,
+    timeout: float,
+    idle_timeout: float,
+    backend: str | None = None,
+    device: str | None = None,
+) -> Group:
+    """Joins the run through ``store`` (the rendezvous store every rank shares) as ``rank`` of ``world``."""
+    _check_timeouts(timeout, idle_timeout)
+    if world < 2:
+        raise ValueError("a distributed run needs the aggregator and at least one client (WORLD_SIZE >= 2)")
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group; destroy it first")
     if backend is None:
         backend = "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -95,9 +116,6 @@ def init_group(
         torch.cuda.set_device(where)
     else:
         where = torch.device("cpu")
-    store, rank, world = next(dist.rendezvous("env://", timeout=seconds(idle_timeout)))
-    if world < 2:
-        raise ValueError("a distributed run needs the aggregator and at least one client (WORLD_SIZE >= 2)")
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("group", store),
@@ -106,3 +124,8 @@ def init_group(
         timeout=seconds(idle_timeout),
     )
     return Group(rank, world, dist.PrefixStore("dpvr", store), where, float(timeout), float(idle_timeout))
+
+
+def _check_timeouts(timeout: float, idle_timeout: float) -> None:
+    if not timeout > 0 or not idle_timeout > 0:
+        raise ValueError("timeout and idle_timeout must be > 0 seconds")

@@ -1,28 +1,20 @@
-"""One machine: :func:`launch` starts the aggregator and P clients as local processes (loopback, gloo)."""
+"""One machine, one run: :func:`launch` runs DIFF2 with P client processes and this process aggregating."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import queue as queues
-import socket
-import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
 from torch import nn
 
+from ..ops import torch_threads
 from ..optim.base import LossFn
 from ..optim.diff2 import Shard
-from .driver import AggregatorResult, aggregate, serve
-from .group import DistributedError, init_group
-
-_GRACE = 5.0  # seconds a client may take to finish once the aggregator has returned
+from .driver import AggregatorResult, run_rounds
+from .group import DistributedError
+from .pool import ClientPool
 
 
 @dataclass
@@ -31,42 +23,6 @@ class LaunchResult:
 
     result: AggregatorResult
     ranks: dict[int, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pack(value: Any) -> bytes:
-    # Bytes, not tensors: tensors would travel as shared-memory handles that die with this process.
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _main(rank: int, world: int, port: int, task: dict[str, Any], results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
-    )
-    import torch.distributed as dist
-
-    torch.set_num_threads(task.pop("threads"))
-    try:
-        group = init_group(timeout=task.pop("timeout"), idle_timeout=task.pop("idle_timeout"), backend="gloo")
-        if rank == 0:
-            outcome: Any = aggregate(group, **task)
-        else:
-            outcome = serve(group, **task)
-        results.put((rank, "ok", _pack(outcome) if rank == 0 else None))
-    except DistributedError as err:
-        results.put((rank, str(err), None))
-    except BaseException as err:  # noqa: BLE001 - reported to the launcher, which raises
-        results.put((rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()}", None))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
 
 def launch(
@@ -84,71 +40,35 @@ def launch(
     threads: int = 1,
     **options: Any,
 ) -> LaunchResult:
-    """Runs DIFF2 with one client process per shard and an aggregator process, on this machine.
+    """Runs DIFF2 with one client process per shard, this process aggregating; trains ``model`` in place.
 
-    Client ``p`` receives only ``shards[p]``; the aggregator receives the model and DIFF2's ``options``
-    (``generator`` included: no client ever holds the noise seed). ``timeout`` is the per-step watchdog,
-    ``idle_timeout`` the longest a client waits for the aggregator. Processes start from a fork server
-    that has imported torch and dpvr once, so a launch costs well under a second after the first. Returns
-    the aggregator's :class:`~dpvr.distributed.driver.AggregatorResult`; raises :class:`DistributedError`
-    with the aggregator's message when any rank failed (``err.ranks``: every rank's message).
+    Client ``p`` receives only ``shards[p]`` (and copies of the model and loss); the noise generator
+    (``options["generator"]``), the accountant and the checkpoints stay in this process, whose
+    ``options`` are :func:`~dpvr.distributed.driver.run_rounds`'s and :class:`~dpvr.optim.DIFF2`'s.
+    ``timeout`` is the per-step watchdog, ``idle_timeout`` the longest a client waits for the
+    aggregator; every process computes with ``threads`` intra-op threads. Processes start from a fork
+    server that has imported torch and dpvr once, so a launch costs well under a second after the first.
+    Raises :class:`DistributedError` when a client fails (``err.ranks``: every rank's message); an error
+    of the aggregator's own (e.g. a refused checkpoint) is raised as it is.
     """
     if not shards:
         raise ValueError("shards: at least one client shard is required")
-    world = len(shards) + 1
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "dpvr.distributed"])
-    results = context.Queue()
-    port = free_port()
-    common = {"timeout": timeout, "idle_timeout": idle_timeout, "threads": threads}
     grads = {k: options[k] for k in ("grad_mode", "chunk_size") if k in options}
-    tasks: list[dict[str, Any]] = [
-        dict(
-            common,
-            model=model,
-            loss_fn=loss_fn,
-            checkpoint=checkpoint,
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            steps=steps,
-            keep_iterates=keep_iterates,
-            **options,
-        )
-    ]
-    tasks += [dict(common, model=model, loss_fn=loss_fn, shard=shard, **grads) for shard in shards]
-    processes = [
-        context.Process(target=_main, args=(k, world, port, tasks[k], results)) for k in range(world)
-    ]
-    for p in processes:
-        p.start()
-    reports: dict[int, str] = {}
-    outcome: AggregatorResult | None = None
-    deadline: float | None = None
-    dead: dict[int, float] = {}
-    while len(reports) < world:
+    with ClientPool(len(shards), timeout=timeout, idle_timeout=idle_timeout, threads=threads) as pool:
         try:
-            rank, message, value = results.get(timeout=0.2)
-            reports[rank] = message
-            if rank == 0:
-                outcome = None if value is None else torch.load(io.BytesIO(value), weights_only=False)
-                deadline = time.monotonic() + _GRACE
-        except queues.Empty:
-            pass
-        now = time.monotonic()
-        for k, p in enumerate(processes):
-            # A report may still be in the queue: a rank that exited is judged a second later.
-            if k not in reports and p.exitcode is not None and now - dead.setdefault(k, now) > 1.0:
-                reports[k] = f"rank {k} exited with code {p.exitcode} without a report"
-        if deadline is not None and time.monotonic() > deadline:
-            for k, p in enumerate(processes):
-                if k not in reports:
-                    p.terminate()
-                    reports[k] = f"rank {k} did not finish within {_GRACE:g} s of the aggregator; terminated"
-    for p in processes:
-        p.join(timeout=_GRACE)
-    if any(m != "ok" for m in reports.values()):
-        error = DistributedError(reports.get(0, "the aggregator gave no report"))
-        error.ranks = dict(sorted(reports.items()))  # type: ignore[attr-defined]
-        raise error
-    assert outcome is not None
-    return LaunchResult(outcome, dict(sorted(reports.items())))
+            with torch_threads(threads), pool.connect(model, loss_fn, shards, **grads) as clients:
+                result = run_rounds(
+                    clients,
+                    model,
+                    loss_fn,
+                    checkpoint=checkpoint,
+                    checkpoint_every=checkpoint_every,
+                    resume=resume,
+                    steps=steps,
+                    keep_iterates=keep_iterates,
+                    **options,
+                )
+        except DistributedError as err:
+            err.ranks = {0: str(err), **pool.close()}  # type: ignore[attr-defined]
+            raise
+    return LaunchResult(result, {0: "ok", **pool.close()})

@@ -56,11 +56,11 @@ from ..data import Dataset, binarize, load, read_mnist, split_classes, subsample
 from ..data import train_test_split as split_train_test
 from ..data.idx import FASHION_MNIST_CLASSES
 from ..objectives import AUCMargin, AUCModel, auc_score
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGDA, PrivateDiff
 from ..optim.sampling import BatchSampler
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save, torch_threads
+from .common import derive_seed, format_mean_std, plot_curves, progress, save
 
 NAME = "auc"
 METHODS = ("non-private", "DP-SGDA", "PrivateDiff")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -52,25 +51,6 @@ def one_sided_ttest(a: Sequence[float], b: Sequence[float], *, paired: bool) -> 
     else:
         result = stats.ttest_ind(a, b, equal_var=False, alternative="less")
     return float(result.pvalue)
-
-
-@contextlib.contextmanager
-def torch_threads(count: int | None) -> Iterator[None]:
-    """Runs the block with ``count`` intra-op threads (``None``: unchanged), then restores the setting.
-
-    Tiny models want one: their kernels are too small to share, and on a busy machine an OpenMP team
-    waiting for a descheduled thread makes every call orders of magnitude slower. dpvr's native kernels
-    share torch's OpenMP runtime, so this governs them too.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def progress(total: int, description: str) -> Any:
@@ -159,6 +139,5 @@ __all__ = [
     "plot_curves",
     "progress",
     "save",
-    "torch_threads",
     "write_csv",
 ]

@@ -68,7 +68,7 @@ from torch import nn
 
 from ..data import Dataset, Standardizer, TargetScaler, load, read_csv, read_libsvm, split_clients
 from ..data import train_test_split as split_train_test
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DIFF2
 from ..results import Record, document, format_table
 from .common import (
@@ -78,7 +78,6 @@ from .common import (
     plot_curves,
     progress,
     save,
-    torch_threads,
 )
 
 NAME = "diff2"

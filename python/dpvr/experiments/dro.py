@@ -39,12 +39,12 @@ from ..data import Dataset, binarize, load, long_tail, subsample_to_ratio
 from ..data import train_test_split as split_train_test
 from ..objectives import PenalisedDRO, WithEta, divergence, dual_loss, indexed_targets, kl_compositional
 from ..objectives.dro import cross_entropy
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGD, DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
 from ..optim.base import PrivateAlgorithm
 from ..optim.sampling import BatchSampler
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save, torch_threads
+from .common import derive_seed, format_mean_std, plot_curves, progress, save
 
 NAME = "dro"
 METHODS = ("non-private", "DP-SGDA", "PrivateDiff", "DP-SGD-dual", "Double-SPIDER", "Recursive-SPIDER")

@@ -26,11 +26,11 @@ import torch
 
 from ..data import Standardizer, load
 from ..data import train_test_split as split_train_test
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGD, L1
 from ..privacy.last_iterate import CyclicDPSGD, epsilon_by_epoch
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, progress, save, torch_threads
+from .common import derive_seed, format_mean_std, progress, save
 
 NAME = "last-iterate"
 DELTA = 1e-5

@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from ..objectives import MSPBE, TransitionValues, ValueModel, semi_gradient_td_loss
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGD, DPSGDA, PrivateDiff
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save, torch_threads
+from .common import derive_seed, format_mean_std, plot_curves, progress, save
 
 NAME = "td"
 METHODS = ("DP-SGDA", "PrivateDiff", "DP-TD")

@@ -40,9 +40,10 @@ from torch import nn
 from ..data import Dataset, binarize, load, long_tail, split_classes, subsample_to_ratio
 from ..data import train_test_split as split_train_test
 from ..objectives import AUCMargin, AUCModel
+from ..ops import torch_threads
 from ..results import Record, document
 from . import auc
-from .common import derive_seed, progress, save, torch_threads
+from .common import derive_seed, progress, save
 
 NAME = "transfer"
 DATASETS = ("transfer-balanced", "transfer-imbalanced", "transfer-heavy-tailed")

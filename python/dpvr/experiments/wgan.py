@@ -40,10 +40,10 @@ from torch import nn
 from ..data import load
 from ..data import train_test_split as split_train_test
 from ..objectives import WGAN, WGANModel
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGDA, PrivateDiff
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save, torch_threads
+from .common import derive_seed, format_mean_std, plot_curves, progress, save
 
 NAME = "wgan"
 METHODS = ("DP-SGDA", "PrivateDiff")

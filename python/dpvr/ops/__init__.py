@@ -12,6 +12,7 @@ from .kernels import (
     philox_words,
 )
 from .noise import NoiseGenerator, NoiseKey, PredictableNoiseError
+from .threads import torch_threads
 
 
 def backends() -> dict[str, bool]:
@@ -39,4 +40,5 @@ __all__ = [
     "noisy_update",
     "per_sample_norms",
     "philox_words",
+    "torch_threads",
 ]
