@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dpvr
-from dpvr.distributed import CHECKPOINT_FORMAT, DistributedError, launch
+from dpvr.distributed import CHECKPOINT_FORMAT, ClientPool, DistributedError, launch
 from dpvr.ops import torch_threads
 from dpvr.optim import DIFF2
 
@@ -135,3 +135,54 @@ def test_checkpoint_of_other_clients_is_refused(shards, tmp_path):
     launch(model_fn(), loss, shards, generator=gen(), checkpoint=path, steps=2, **GD)
     with pytest.raises(ValueError, match="written for clients of sizes"):
         launch(model_fn(), loss, shards[:2], generator=gen(), checkpoint=path, resume=True, **GD)
+
+
+def pooled_run(pool, shards, options, loss_fn=loss):
+    """A DIFF2 run through ``pool``, single-threaded like the simulation, with its iterate per round."""
+    model = model_fn()
+    iterates = []
+    with torch_threads(1), pool.connect(model, loss_fn, shards) as clients:
+        alg = DIFF2(model, loss_fn, clients, generator=gen(), **options)
+        for _ in range(alg.total_steps):
+            alg.step()
+            iterates.append(torch.cat([f.clone() for f in alg.flat]))
+    return alg, iterates
+
+
+def test_a_pool_serves_run_after_run_and_outlives_an_aggregator_error(shards):
+    other = [(x[:15], y[:15]) for x, y in reversed(shards)]  # each run ships its own shards
+    with ClientPool(3) as pool:
+        for data, options in ((shards, GD), (other, BVR), (shards, BVR)):
+            expected, iterates = simulate(data, options)
+            alg, got = pooled_run(pool, data, options)
+            assert len(got) == len(iterates)
+            assert all(torch.equal(a, b) for a, b in zip(got, iterates))
+            assert alg.privacy_spent().epsilon == expected.privacy_spent().epsilon
+            assert alg.transport.traffic.shipped > 0
+        # An error of the aggregator's own between two steps ends its run, not the pool.
+        with pytest.raises(RuntimeError, match="all 1 planned rounds have run"):
+            model = model_fn()
+            with pool.connect(model, loss, shards) as clients:
+                alg = DIFF2(model, loss, clients, generator=gen(), **dict(GD, rounds=1))
+                alg.step()
+                alg.step()
+        with pytest.raises(ValueError, match="the pool has 3 clients, got 2 shards"), pool.connect(
+            model_fn(), loss, shards[:2]
+        ):
+            pass
+        _, again = pooled_run(pool, shards, GD)
+        assert torch.equal(again[-1], simulate(shards, GD)[1][-1])
+        assert pool.broken is None
+    assert pool.reports == {1: "ok", 2: "ok", 3: "ok"}
+
+
+def test_a_client_failure_breaks_the_pool_on_every_rank(shards):
+    with ClientPool(3, timeout=2.0) as pool:
+        with pytest.raises(DistributedError) as caught:
+            pooled_run(pool, shards, GD, loss_fn=Faulty(2, 6, "raise"))
+        message = str(caught.value)
+        assert re.match(r"client 1 \(rank 2\) failed in round 5: RuntimeError: injected fault", message)
+        with pytest.raises(DistributedError, match=re.escape(message)):
+            pooled_run(pool, shards, GD)
+    assert pool.broken == message
+    assert pool.reports == {1: message, 2: message, 3: message}

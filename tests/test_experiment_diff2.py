@@ -97,6 +97,31 @@ def test_unknown_experiment_and_missing_data_dir_are_errors(capsys):
     assert "--data-dir" in capsys.readouterr().err
 
 
+def test_distributed_backend_writes_the_records_of_the_local_simulation(tmp_path):
+    """Three client processes and this process aggregating release what the in-process clients do."""
+    docs = {}
+    for backend in ("pooled", "local", "torch-distributed"):
+        options = ["--quick", "--rounds", "6", "--seeds", "1", "--dataset", "diabetes", "--epsilon", "3"]
+        options += ["--clients", "3", "--backend", backend, "--out", str(tmp_path / backend)]
+        docs[backend] = diff2.run(parse("diff2", options))
+        assert docs[backend]["config"]["backend"] == backend and docs[backend]["config"]["clients"] == 3
+    local, remote, pooled = (docs[b]["records"] for b in ("local", "torch-distributed", "pooled"))
+    assert remote == local
+    # The pooled shards run the same algorithm up to rounding (equal shards: the mean of means is the mean).
+    assert [(r["method"], r["metrics"]["selected"]) for r in pooled] == [
+        (r["method"], r["metrics"]["selected"]) for r in local
+    ]
+    for a, b in zip(pooled, local):
+        if b["method"] != "GD":
+            assert a["spent_epsilon"] == pytest.approx(b["spent_epsilon"], rel=1e-12)
+        assert a["metrics"]["train_loss"] == pytest.approx(b["metrics"]["train_loss"], rel=1e-9)
+
+
+def test_clients_must_be_positive(capsys):
+    assert main(["experiment", "diff2", "--quick", "--clients", "0"]) == 2
+    assert "--clients must be at least 1" in capsys.readouterr().err
+
+
 def test_pooled_equal_shards_run_the_same_algorithm():
     """The experiment runs the GD-routine methods on the pooled shards: same iterates, same accounting."""
     g = torch.Generator().manual_seed(0)

@@ -132,6 +132,7 @@ class RemoteClients:
     def _send(self, ranks: Sequence[int], tensors: Sequence[torch.Tensor]) -> int:
         """Sends ``tensors`` to every rank in ``ranks``; returns the bytes sent."""
         works = [dist.isend(t, dst=k) for k in ranks for t in tensors]
+        self.group.in_flight = works
         for k, w in zip((k for k in ranks for _ in tensors), works):
             try:
                 _wait(w, self.group.timeout)
@@ -149,6 +150,7 @@ class RemoteClients:
         """Receives each client's buffers; the watchdog: all of them within ``timeout`` seconds."""
         ranks = list(range(1, self.group.world)) if ranks is None else list(ranks)
         works = [[dist.irecv(t, src=k) for t in bufs] for k, bufs in zip(ranks, buffers)]
+        self.group.in_flight = [w for ws in works for w in ws]
         deadline = time.monotonic() + self.group.timeout
         for k, ws, bufs in zip(ranks, works, buffers):
             for w in ws:
@@ -179,7 +181,7 @@ class RemoteClients:
         header = self._header(ABORT, 0)
         for k in survivors:
             with contextlib.suppress(RuntimeError):  # best effort: a broken connection wakes it as well
-                dist.isend(header, dst=k)
+                self.group.in_flight.append(dist.isend(header, dst=k))
         self.group.await_acknowledgements(survivors, min(self.group.timeout, 10.0))
         return reason
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ class Group:
     ``timeout``: how long the aggregator waits for the clients' answers in one step (the watchdog).
     ``idle_timeout``: how long a client waits for the aggregator's next message, which must cover the
     aggregator's work between rounds (evaluation, checkpoints); it is also the backend group's timeout.
+    ``in_flight``: the aggregator's last step's send and receive handles, kept for the group's lifetime.
+    Gloo cancels an operation whose handle is freed, so after a failed step a client could block for
+    ever in a send the aggregator no longer receives, or miss the abort it was sent.
     """
 
     rank: int
@@ -45,6 +49,7 @@ class Group:
     device: torch.device
     timeout: float
     idle_timeout: float
+    in_flight: list[Any] = field(default_factory=list)
 
     @property
     def clients(self) -> int:

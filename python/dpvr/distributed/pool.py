@@ -40,6 +40,10 @@ def _client(rank: int, world: int, port: int, options: dict[str, float], results
     except BaseException as err:  # noqa: BLE001 - reported to the pool, which raises
         results.put((rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
+        # Deliver the report before leaving the group: tearing it down may block (holding the GIL, so the
+        # queue's feeder thread could not run) until the aggregator leaves too.
+        results.close()
+        results.join_thread()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
@@ -204,7 +208,7 @@ class ClientPool:
                     reports[k] = f"rank {k} exited with code {p.exitcode} without a report"
         for k, p in ranks.items():
             if k not in reports:
-                p.terminate()
                 reports[k] = f"rank {k} did not finish within {grace:g} s; terminated"
+                p.terminate()
             p.join(timeout=grace)
         return dict(sorted(reports.items()))

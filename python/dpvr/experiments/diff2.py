@@ -6,7 +6,8 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
   statistics; regression targets divided by the largest absolute training target (the paper takes it over
   the whole dataset; one constant either way, the same for every method); classification labels coded ±1
   (one output for two classes, one per class otherwise) so that the squared loss applies. The training
-  split is dealt into ``P = 10`` equal IID client shards (``split_clients``; the remainder is dropped).
+  split is dealt into ``P`` equal IID client shards (``--clients``, default 10; ``split_clients``, the
+  remainder is dropped).
 - **Model.** One hidden layer of 10 softplus units; parameters drawn from U(-1/sqrt(w_in), 1/sqrt(w_in)),
   w_in the layer's inputs (the paper prints sqrt(w_in), read as a typo); per-sample loss
   ``0.5 ||output - target||^2``; the objective ``f`` is the mean over clients of their mean losses.
@@ -14,10 +15,18 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
   and ``DIFF2-BVR-L-SGD`` (``K`` local steps on batches of ``b = K`` records, ``C3 = C2`` as in Theorem 5.3;
   the paper runs no experiment with it). DP-GD is :class:`~dpvr.optim.DIFF2` with ``restart=1``: the paper
   defines it so (T = 1), it runs the same code path as DIFF2-GD and it admits the paper's calibration
-  (Proposition 4.1 with u -> 1). With equal shards the average of client means is the pooled mean, so the
-  GD-routine methods run on one pooled shard with the same plan (``n_min P`` records): numerically the
-  same algorithm and the same accounting, a tenth of the per-sample-gradient calls. BVR-L-SGD, whose local
-  steps run on one client's shard, gets the ``P`` shards.
+  (Proposition 4.1 with u -> 1). With equal shards the average of client means is the pooled mean, so by
+  default the GD-routine methods run on one pooled shard with the same plan (``n_min P`` records): the
+  same algorithm and the same accounting up to floating-point rounding, with a P-th of the
+  per-sample-gradient calls. BVR-L-SGD, whose local steps run on one client's shard, gets the ``P`` shards.
+- **Backends.** ``--backend pooled`` (default) is the above; ``--backend local`` runs every private
+  method on the ``P`` shards in this process (the simulation); ``--backend torch-distributed`` runs them
+  on ``P`` client processes on loopback gloo (:class:`dpvr.distributed.ClientPool`) with this process as
+  the trusted aggregator, which alone holds the noise seeds and the accountants. Each client process is
+  sent only its own shard and computes its clipped means as the simulated client does, so ``local`` and
+  ``torch-distributed`` release bitwise the same iterates and write the same records. In every backend
+  the non-private GD reference and the metrics (a measurement on the pooled training data, not a release)
+  are computed in this process.
 - **Privacy.** Record-level (epsilon, delta)-DP w.r.t. each client's data, replace-one neighbours. Each DP
   method calibrates its noise to the target epsilon with the accountant (``--calibration tight``, default) or
   with Proposition 4.1 (``paper``: u = 1.25 for DIFF2-GD, u -> 1 for DP-GD; DIFF2-BVR-L-SGD always uses the
@@ -53,12 +62,13 @@ grid unless ``--quick``): one file per dataset, the target in the last column, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,8 +78,10 @@ from torch import nn
 
 from ..data import Dataset, Standardizer, TargetScaler, load, read_csv, read_libsvm, split_clients
 from ..data import train_test_split as split_train_test
+from ..distributed import ClientPool
 from ..ops import NoiseGenerator, torch_threads
 from ..optim import DIFF2
+from ..optim.diff2 import Shard
 from ..results import Record, document, format_table
 from .common import (
     derive_seed,
@@ -89,6 +101,8 @@ METRIC_TITLES = {
     "test_loss": "test loss",
 }
 CLIENTS = 10
+BACKENDS = ("pooled", "local", "torch-distributed")
+IDLE_TIMEOUT = 3600.0  # seconds a pooled client waits for its next run (evaluation happens in between)
 HIDDEN = 10
 DELTA = 1e-5
 EPSILONS = (3.0, 5.0)
@@ -171,6 +185,16 @@ QUICK = Protocol(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="communication rounds R (default: the protocol's)")
     parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="pooled",
+        help="where the clients compute: pooled shards (default), the P clients in this process (local), "
+        "or P client processes with this process aggregating (torch-distributed)",
+    )
+    parser.add_argument(
+        "--clients", type=int, default=CLIENTS, metavar="P", help=f"client shards P (default {CLIENTS})"
+    )
+    parser.add_argument(
         "--calibration",
         choices=("tight", "paper"),
         default="tight",
@@ -221,7 +245,7 @@ def _coded_targets(dataset: Dataset) -> np.ndarray:
     return np.where(dataset.targets[:, None] == np.arange(dataset.num_classes), 1.0, -1.0)
 
 
-def _prepare(dataset: Dataset, seed: int) -> _Data:
+def _prepare(dataset: Dataset, seed: int, clients: int) -> _Data:
     train, test = split_train_test(dataset, test_fraction=0.2, seed=derive_seed(seed, 1))
     standardize = Standardizer.fit(train)
     train, test = standardize(train), standardize(test)
@@ -232,10 +256,10 @@ def _prepare(dataset: Dataset, seed: int) -> _Data:
     def tensors(part: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.as_tensor(part.features, dtype=torch.float64), torch.as_tensor(_coded_targets(part))
 
-    clients = [tensors(shard) for shard in split_clients(train, CLIENTS, seed=derive_seed(seed, 2))]
-    pooled = (torch.cat([x for x, _ in clients]), torch.cat([y for _, y in clients]))
+    shards = [tensors(shard) for shard in split_clients(train, clients, seed=derive_seed(seed, 2))]
+    pooled = (torch.cat([x for x, _ in shards]), torch.cat([y for _, y in shards]))
     classes = torch.as_tensor(test.targets) if dataset.task == "classification" else None
-    return _Data(clients, pooled, tensors(test), classes)
+    return _Data(shards, pooled, tensors(test), classes)
 
 
 # ---- model, loss, evaluation -----------------------------------------------------------------------------
@@ -314,6 +338,27 @@ def _gradient_descent(model: nn.Module, data: _Data, lr: float) -> Step:
     return step
 
 
+class _Backend:
+    """Where the private methods' clients compute (``--backend``); see the module documentation."""
+
+    def __init__(self, name: str, clients: int, pool: ClientPool | None = None) -> None:
+        self.name, self.clients, self.pool = name, clients, pool
+
+    def shards(self, method: str, data: _Data) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.name == "pooled" and method != "DIFF2-BVR-L-SGD":
+            return [data.train]
+        return data.clients
+
+    @contextlib.contextmanager
+    def diff2(self, model: nn.Module, shards: Sequence[Shard], **options: Any) -> Iterator[DIFF2]:
+        """DIFF2 on ``model`` with ``shards`` as its clients, in this process or in the pool's."""
+        if self.pool is None:
+            yield DIFF2(model, sample_loss, shards, **options)
+            return
+        with self.pool.connect(model, sample_loss, shards, chunk_size=options["chunk_size"]) as clients:
+            yield DIFF2(model, sample_loss, clients, **options)
+
+
 def _private(
     method: str,
     point: dict[str, float],
@@ -322,7 +367,8 @@ def _private(
     protocol: Protocol,
     budget: _Budget,
     seed: int,
-) -> DIFF2:
+    backend: _Backend,
+) -> contextlib.AbstractContextManager[DIFF2]:
     options: dict[str, Any] = dict(
         lr=point["lr"],
         rounds=protocol.rounds,
@@ -333,41 +379,22 @@ def _private(
         chunk_size=CHUNK,
     )
     if method == "DP-GD":  # T = 1: every round restarts, clip2 is never used; Prop. 4.1 with u -> 1
-        return DIFF2(
-            model,
-            sample_loss,
-            [data.train],
-            restart=1,
-            clip2=1.0,
-            calibration=budget.calibration,
-            u=1 + 1e-9,
-            **options,
+        options.update(restart=1, clip2=1.0, calibration=budget.calibration, u=1 + 1e-9)
+    elif method == "DIFF2-GD":
+        options.update(
+            restart=int(point["restart"]), clip2=point["clip2"], calibration=budget.calibration, u=1.25
         )
-    if method == "DIFF2-GD":
-        return DIFF2(
-            model,
-            sample_loss,
-            [data.train],
+    else:
+        options.update(
             restart=int(point["restart"]),
             clip2=point["clip2"],
-            calibration=budget.calibration,
-            u=1.25,
-            **options,
+            routine="bvr-l-sgd",
+            local_steps=protocol.local_steps,
+            local_batch=min(protocol.local_steps, min(len(x) for x, _ in data.clients)),
+            clip3=point["clip2"],
+            sampler_seed=derive_seed(seed, 5),
         )
-    batch = min(protocol.local_steps, min(len(x) for x, _ in data.clients))
-    return DIFF2(
-        model,
-        sample_loss,
-        data.clients,
-        restart=int(point["restart"]),
-        clip2=point["clip2"],
-        routine="bvr-l-sgd",
-        local_steps=protocol.local_steps,
-        local_batch=batch,
-        clip3=point["clip2"],
-        sampler_seed=derive_seed(seed, 5),
-        **options,
-    )
+    return backend.diff2(model, backend.shards(method, data), **options)
 
 
 def _rounds_of(alg: DIFF2) -> Step:
@@ -409,20 +436,23 @@ def _search(
     protocol: Protocol,
     budget: _Budget | None,
     seed: int,
+    backend: _Backend,
 ) -> _Run | None:
     """The paper's learning-rate search at one grid point: the first rate, from the largest, to finish."""
     for i, lr in enumerate(lrs):
         model = copy.deepcopy(init)
         run = _Run({**point, "lr": lr})
-        if budget is None:
-            alg, step = None, _gradient_descent(model, data, lr)
-        else:
-            alg = _private(method, run.point, model, data, protocol, budget, derive_seed(seed, i))
-            step = _rounds_of(alg)
-        _train(step, model, data, protocol, run, patient=i < len(lrs) - 1)
-        if run.completed:
-            run.spent_epsilon = None if alg is None else alg.privacy_spent().epsilon
-            return run
+        private = (
+            contextlib.nullcontext()
+            if budget is None
+            else _private(method, run.point, model, data, protocol, budget, derive_seed(seed, i), backend)
+        )
+        with private as alg:
+            step = _gradient_descent(model, data, lr) if alg is None else _rounds_of(alg)
+            _train(step, model, data, protocol, run, patient=i < len(lrs) - 1)
+            if run.completed:
+                run.spent_epsilon = None if alg is None else alg.privacy_spent().epsilon
+                return run
     return None
 
 
@@ -474,6 +504,7 @@ def _tune(
     budget: _Budget | None,
     seed: int,
     bar: Any,
+    backend: _Backend,
     diff2: _Outcome | None = None,
 ) -> _Outcome:
     """A method's grid, each point with its learning-rate search, and the paper's selection.
@@ -485,9 +516,8 @@ def _tune(
         lrs = tuple(lr for lr in lrs if lr <= diff2.by_loss.point["lr"])
     runs = []
     for j, point in enumerate(_grid(method, protocol, diff2.by_loss.point if diff2 else None)):
-        run = _search(
-            method, point, lrs, init, data, protocol, budget, derive_seed(seed, METHODS.index(method), j)
-        )
+        seed_j = derive_seed(seed, METHODS.index(method), j)
+        run = _search(method, point, lrs, init, data, protocol, budget, seed_j, backend)
         if run is not None:
             runs.append(run)
         bar.update()
@@ -537,21 +567,37 @@ def _one_seed(
     seed: int,
     epsilons: Sequence[float],
     calibration: str,
+    backend: _Backend,
     bar: Any,
 ) -> dict[tuple[float | None, str], _Outcome]:
     """Every method on one seed's split, clients and initialisation: ``{(epsilon, method): outcome}``."""
-    data = _prepare(dataset, seed)
+    data = _prepare(dataset, seed, backend.clients)
     init = _model(data.train[0].shape[1], data.train[1].shape[1], seed)
     bar.set_postfix_str(f"{name} seed {seed} GD")
-    found = {(None, "GD"): _tune("GD", protocol, init, data, None, seed, bar)}
+    found = {(None, "GD"): _tune("GD", protocol, init, data, None, seed, bar, backend)}
     for epsilon in epsilons:
         budget = _Budget(epsilon, DELTA, calibration)
         noise_seed = derive_seed(seed, round(epsilon * 1e6))
         for method in METHODS[1:]:
             bar.set_postfix_str(f"{name} seed {seed} eps {epsilon:g} {method}")
             diff2 = found[(epsilon, "DIFF2-GD")] if method == "DIFF2-BVR-L-SGD" else None
-            found[(epsilon, method)] = _tune(method, protocol, init, data, budget, noise_seed, bar, diff2)
+            found[(epsilon, method)] = _tune(
+                method, protocol, init, data, budget, noise_seed, bar, backend, diff2
+            )
     return found
+
+
+@contextlib.contextmanager
+def _backend(args: argparse.Namespace) -> Iterator[_Backend]:
+    """The ``--backend``; torch-distributed starts its client processes once, with this process's thread
+    count (bitwise equal uploads need the same count as the in-process run)."""
+    if args.clients < 1:
+        raise ValueError(f"--clients must be at least 1, got {args.clients}")
+    if args.backend != "torch-distributed":
+        yield _Backend(args.backend, args.clients)
+        return
+    with ClientPool(args.clients, threads=torch.get_num_threads(), idle_timeout=IDLE_TIMEOUT) as pool:
+        yield _Backend(args.backend, args.clients, pool)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -570,10 +616,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outcomes: dict[tuple[str, float | None, str], list[_Outcome]] = {}
     records: list[Record] = []
     threads = 1 if max(len(d) for d in datasets.values()) < ONE_THREAD_BELOW else None
-    with torch_threads(threads), progress(total, NAME) as bar:
+    with torch_threads(threads), _backend(args) as backend, progress(total, NAME) as bar:
         for name, dataset in datasets.items():
             for seed in range(protocols[name].seeds):
-                found = _one_seed(name, dataset, protocols[name], seed, epsilons, args.calibration, bar)
+                found = _one_seed(
+                    name, dataset, protocols[name], seed, epsilons, args.calibration, backend, bar
+                )
                 for (epsilon, method), outcome in found.items():
                     outcomes.setdefault(_key(name, epsilon, method), []).append(outcome)
                     delta = None if epsilon is None else DELTA
@@ -584,7 +632,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "datasets": names,
         "epsilons": list(epsilons),
         "delta": DELTA,
-        "clients": CLIENTS,
+        "clients": args.clients,
+        "backend": args.backend,
         "model": f"MLP, one hidden layer of {HIDDEN} softplus units; loss 0.5 ||output - target||^2",
         "calibration": args.calibration,
         "quick": bool(args.quick),
