@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -186,3 +188,15 @@ def test_a_client_failure_breaks_the_pool_on_every_rank(shards):
             pooled_run(pool, shards, GD)
     assert pool.broken == message
     assert pool.reports == {1: message, 2: message, 3: message}
+
+
+def test_torchrun_runs_the_demo_problem_to_its_budget(tmp_path):
+    """``python -m dpvr.distributed`` under torchrun: an aggregator and two clients on the bundled demo."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    command += ["-m", "dpvr.distributed", "--rounds", "4", "--restart", "2"]
+    command += ["--lr", "0.5", "--clip1", "1", "--clip2", "1", "--epsilon", "3", "--backend", "gloo"]
+    command += ["--checkpoint", str(tmp_path / "run.ckpt")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"rounds 4, epsilon 3 at delta 1e-05", done.stdout), done.stdout
+    assert torch.load(tmp_path / "run.ckpt", weights_only=False)["state"]["steps_done"] == 4
