@@ -40,9 +40,11 @@ in round 7 within 10 s``). Checkpoints are written by the aggregator only, atomi
 rounds, so a failed round leaves none. Resuming from one continues with the same iterates and the same
 accounting.
 
-Running: :func:`launch` on one machine; under ``torchrun`` with ``python -m dpvr.distributed`` (see
-``python -m dpvr.distributed --help``), with :func:`init_group`, :func:`aggregate` and :func:`serve` for
-your own problem.
+Running: on one machine, :class:`ClientPool` keeps P client processes for run after run, with the calling
+process aggregating (``dpvr experiment diff2 --backend torch-distributed --clients P`` uses it), and
+:func:`launch` is a pool for one run; across machines, ``python -m dpvr.distributed`` under ``torchrun``
+(see ``python -m dpvr.distributed --help``), with :func:`init_group`, :func:`aggregate` and :func:`serve`
+for your own problem.
 """
 
 from .driver import (
