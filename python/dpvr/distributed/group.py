@@ -112,8 +112,6 @@ def join_group(
     _check_timeouts(timeout, idle_timeout)
     if world < 2:
         raise ValueError("a distributed run needs the aggregator and at least one client (WORLD_SIZE >= 2)")
-    if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group; destroy it first")
     if backend is None:
         backend = "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
     if backend == "nccl":

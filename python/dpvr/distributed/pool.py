@@ -180,10 +180,11 @@ class ClientPool:
         if self.broken is None:
             header = torch.zeros(HEADER, dtype=torch.float64)
             header[0] = CLOSE
-            for k in range(1, self.clients + 1):
-                with contextlib.suppress(RuntimeError):  # a lost client is reported by _collect
-                    if dist.isend(header, dst=k).wait(seconds(self.group.timeout)) is False:
-                        break
+            with contextlib.suppress(RuntimeError):  # a lost client is reported by _collect
+                self.group.in_flight = [dist.isend(header, dst=k) for k in range(1, self.clients + 1)]
+            for work in self.group.in_flight:
+                with contextlib.suppress(RuntimeError):
+                    work.wait(seconds(self.group.timeout))
         self.reports = self._collect(_GRACE)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
