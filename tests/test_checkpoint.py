@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dpvr
+from dpvr import PaperSigmas
 from dpvr.optim import DIFF2, DPSGD, BudgetExhaustedError
 
 
@@ -33,7 +34,7 @@ def make(kind):
             clip=1.0,
             steps=6,
             batch_size=8,
-            noise_multiplier=1.0,
+            noise=1.0,
             generator=gen,
             sampler_seed=3,
         )
@@ -46,9 +47,7 @@ def make(kind):
         restart=3,
         clip1=1.0,
         clip2=1.0,
-        sigma1=0.1,
-        sigma2=0.1,
-        sigma3=0.5,
+        noise=PaperSigmas(restart=0.1, difference=0.1, local=0.5),
         routine="bvr-l-sgd",
         local_steps=2,
         local_batch=4,
@@ -139,7 +138,7 @@ def test_budget_guard_holds_across_a_resume(tmp_path):
             clip=1.0,
             steps=50,
             batch_size=8,
-            noise_multiplier=4.0,
+            noise=4.0,
             epsilon=1.0,
             delta=1e-5,
             generator=dpvr.NoiseGenerator(seed=1, reproducible=True),

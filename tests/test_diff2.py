@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dpvr
+from dpvr import PaperSigmas
 from dpvr.optim import DIFF2, DPGD, BudgetExhaustedError
 from dpvr.optim.base import global_norm
 
@@ -44,8 +45,7 @@ def test_noise_free_diff2_gd_is_gradient_descent(clients):
         restart=5,
         clip1=1e6,
         clip2=1e6,
-        sigma1=TINY,
-        sigma2=TINY,
+        noise=PaperSigmas(restart=TINY, difference=TINY),
         generator=gen(),
     )
     alg.run(progress=False)
@@ -61,30 +61,24 @@ def test_noise_free_diff2_gd_is_gradient_descent(clients):
 
 
 def test_restart_every_round_is_dp_gd(clients):
-    """T = 1: every round is a restart, i.e. DP-GD on the pooled data (equal shards), same noise draws."""
+    """T = 1: every round is a restart, i.e. DP-GD on the pooled data (equal shards): the same iterates
+    without noise (the two runs never share noise: their keys bind different settings) and the same epsilon
+    for the same noise."""
     n_total = sum(len(x) for x, _ in clients)
-    diff2 = DIFF2(
-        model_fn(),
-        loss,
-        clients,
-        lr=0.2,
-        rounds=6,
-        restart=1,
-        clip1=0.5,
-        clip2=1.0,
-        sigma1=0.3,
-        sigma2=0.3,
-        generator=gen(4),
-    )
-    diff2.run(progress=False)
     x = torch.cat([c[0] for c in clients])
     y = torch.cat([c[1] for c in clients])
-    dpgd = DPGD(
-        model_fn(), loss, x, y, lr=0.2, clip=0.5, steps=6, noise_multiplier=0.3 * n_total, generator=gen(4)
-    )
-    dpgd.run(progress=False)
-    for a, b in zip(diff2.params, dpgd.params):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for sigma in (TINY, 0.3):
+        diff2 = DIFF2(
+            model_fn(), loss, clients, lr=0.2, rounds=6, restart=1, clip1=0.5, clip2=1.0,
+            noise=PaperSigmas(restart=sigma), generator=gen(4),
+        )  # fmt: skip
+        diff2.run(progress=False)
+        dpgd = DPGD(model_fn(), loss, x, y, lr=0.2, clip=0.5, steps=6, noise=sigma * n_total,
+                    generator=gen(4))
+        dpgd.run(progress=False)
+        if sigma == TINY:
+            for a, b in zip(diff2.params, dpgd.params):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert diff2.privacy_spent().epsilon == pytest.approx(dpgd.privacy_spent().epsilon, rel=1e-9)
 
 
@@ -99,14 +93,16 @@ def neighbour(clients):
 def test_server_estimate_sensitivity(clients, routine):
     """With noise off, one record moves the aggregated estimate by at most 2 C / (n P) in every round."""
     options = dict(
-        lr=0.3, rounds=4, restart=3, clip1=0.7, clip2=2.0, sigma1=TINY, sigma2=TINY, generator=gen()
+        lr=0.3, rounds=4, restart=3, clip1=0.7, clip2=2.0, noise=PaperSigmas(restart=TINY, difference=TINY),
+        generator=gen(),
     )
     if routine == "bvr-l-sgd":
-        options.update(routine=routine, local_steps=3, local_batch=5, clip3=1.0, sigma3=TINY, sampler_seed=1)
+        options.update(routine=routine, local_steps=3, local_batch=5, clip3=1.0, sampler_seed=1,
+                       noise=PaperSigmas(restart=TINY, difference=TINY, local=TINY))
     a, b = DIFF2(model_fn(), loss, clients, **options), DIFF2(model_fn(), loss, neighbour(clients), **options)
     n, p = 20, 3
     for _ in range(4):
-        b.load_state_dict(a.state_dict())  # condition on the same released history
+        b._restore(a.state_dict())  # condition on the same released history
         info_a, info_b = a.step(), b.step()
         assert info_a["radius"] == info_b["radius"]
         bound = 2 * info_a["radius"] / (n * p)
@@ -121,13 +117,11 @@ def test_checkpoint_resume_gives_the_same_iterates(clients):
         restart=3,
         clip1=0.5,
         clip2=1.0,
-        sigma1=0.01,
-        sigma2=0.02,
+        noise=PaperSigmas(restart=0.01, difference=0.02, local=0.05),
         routine="bvr-l-sgd",
         local_steps=3,
         local_batch=4,
         clip3=1.0,
-        sigma3=0.05,
         sampler_seed=3,
     )
     full = DIFF2(model_fn(), loss, clients, generator=gen(7), **options)
@@ -156,8 +150,7 @@ def test_budget_guard_refuses_the_step_that_would_exceed(clients):
         restart=5,
         clip1=1.0,
         clip2=1.0,
-        sigma1=0.3,
-        sigma2=0.3,
+        noise=PaperSigmas(restart=0.3, difference=0.3),
         epsilon=1.0,
         delta=1e-5,
     )
@@ -221,7 +214,8 @@ def test_calibrated_bvr_l_sgd_charges_only_the_busiest_clients_local_steps(clien
 def test_bad_arguments(clients):
     with pytest.raises(ValueError, match="clip1"):
         DIFF2(
-            model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=0.0, clip2=1.0, sigma1=1, sigma2=1
+            model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=0.0, clip2=1.0,
+            noise=PaperSigmas(restart=1, difference=1),
         )
     with pytest.raises(ValueError, match="routine"):
         DIFF2(
@@ -233,23 +227,29 @@ def test_bad_arguments(clients):
             restart=2,
             clip1=1,
             clip2=1,
-            sigma1=1,
-            sigma2=1,
+            noise=PaperSigmas(restart=1, difference=1),
             routine="adam",
         )
-    with pytest.raises(ValueError, match="sigma"):
-        DIFF2(model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=1, clip2=1, sigma1=1.0)
+    with pytest.raises(ValueError, match="missing"):
+        DIFF2(model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=1, clip2=1,
+              noise=PaperSigmas(restart=1.0))
+    with pytest.raises(ValueError, match="not streams of"):
+        DIFF2(model_fn(), loss, clients, lr=0.1, rounds=5, restart=2, clip1=1, clip2=1,
+              noise={"restart": 1.0, "difference": 1.0, "gradient": 1.0})
     with pytest.raises(ValueError, match="clients"):
-        DIFF2(model_fn(), loss, [], lr=0.1, rounds=5, restart=2, clip1=1, clip2=1, sigma1=1, sigma2=1)
+        DIFF2(model_fn(), loss, [], lr=0.1, rounds=5, restart=2, clip1=1, clip2=1,
+              noise=PaperSigmas(restart=1, difference=1))
 
 
 @pytest.mark.parametrize("routine", ["gd", "bvr-l-sgd"])
 def test_ghost_and_materialised_runs_agree(clients, routine):
     options = dict(
-        lr=0.2, rounds=6, restart=3, clip1=0.3, clip2=0.5, sigma1=0.01, sigma2=0.02, sampler_seed=2
-    )
+        lr=0.2, rounds=6, restart=3, clip1=0.3, clip2=0.5, noise=PaperSigmas(restart=TINY, difference=TINY),
+        sampler_seed=2,
+    )  # noise off: the two paths round differently, so their releases never share noise draws
     if routine == "bvr-l-sgd":
-        options.update(routine=routine, local_steps=3, local_batch=5, clip3=1.0, sigma3=0.05)
+        options.update(routine=routine, local_steps=3, local_batch=5, clip3=1.0,
+                       noise=PaperSigmas(restart=TINY, difference=TINY, local=TINY))
     runs = {}
     for mode in ("auto", "materialised"):
         alg = DIFF2(model_fn(), loss, clients, generator=gen(11), grad_mode=mode, **options)
@@ -270,8 +270,7 @@ def test_diverging_iterates_raise_a_clear_error(clients):
         restart=3,
         clip1=1.0,
         clip2=1.0,
-        sigma1=0.1,
-        sigma2=0.1,
+        noise=PaperSigmas(restart=0.1, difference=0.1),
         generator=gen(),
     )
     alg.step()

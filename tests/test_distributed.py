@@ -10,14 +10,16 @@ import pytest
 import torch
 
 import dpvr
+from dpvr import PaperSigmas
 from dpvr.distributed import CHECKPOINT_FORMAT, ClientPool, DistributedError, launch
 from dpvr.ops import torch_threads
 from dpvr.optim import DIFF2
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 
-GD = dict(lr=0.2, rounds=8, restart=3, clip1=0.5, clip2=1.0, sigma1=0.01, sigma2=0.02)
-BVR = dict(GD, routine="bvr-l-sgd", local_steps=3, local_batch=4, clip3=1.0, sigma3=0.05, sampler_seed=3)
+GD = dict(lr=0.2, rounds=8, restart=3, clip1=0.5, clip2=1.0, noise=PaperSigmas(restart=0.01, difference=0.02))
+BVR = dict(GD, routine="bvr-l-sgd", local_steps=3, local_batch=4, clip3=1.0, sampler_seed=3,
+           noise=PaperSigmas(restart=0.01, difference=0.02, local=0.05))
 
 
 def model_fn():

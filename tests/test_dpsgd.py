@@ -37,7 +37,7 @@ def gen(seed=0):
 def test_noise_free_dp_gd_is_gradient_descent():
     x, y = data()
     model = linear()
-    DPGD(model, logistic, x, y, lr=0.5, clip=1e6, steps=15, noise_multiplier=TINY, generator=gen()).run(
+    DPGD(model, logistic, x, y, lr=0.5, clip=1e6, steps=15, noise=TINY, generator=gen()).run(
         progress=False
     )
     ref = linear()
@@ -63,7 +63,7 @@ def test_sampled_dp_sgd_accounts_each_step(sampling):
         steps=30,
         batch_size=8,
         sampling=sampling,
-        noise_multiplier=1.2,
+        noise=1.2,
         generator=gen(),
         sampler_seed=0,
     )
@@ -85,7 +85,7 @@ def test_cyclic_traversal_prox_and_last_iterate_accounting():
         weak_convexity=0.0,
         smoothness=0.5,
         prox=L1(0.01),
-        noise_multiplier=5.0,
+        noise=5.0,
     )
     alg = DPSGD(linear(), logistic, x, y, generator=gen(), **kwargs)
     infos = alg.run(progress=False)
@@ -120,7 +120,7 @@ def test_cyclic_refuses_step_sizes_outside_the_theorem():
             sampling="cyclic",
             weak_convexity=0.0,
             smoothness=0.5,
-            noise_multiplier=1.0,
+            noise=1.0,
         )
     with pytest.raises(ValueError, match="weak_convexity"):
         DPSGD(
@@ -133,7 +133,7 @@ def test_cyclic_refuses_step_sizes_outside_the_theorem():
             steps=4,
             batch_size=10,
             sampling="cyclic",
-            noise_multiplier=1.0,
+            noise=1.0,
         )
 
 
@@ -152,7 +152,7 @@ def test_unclipped_assertion_is_checked():
         weak_convexity=0.0,
         smoothness=0.5,
         clipping=False,
-        noise_multiplier=1.0,
+        noise=1.0,
         generator=gen(),
     )
     with pytest.raises(RuntimeError, match="clipping=False"):
@@ -173,7 +173,7 @@ def test_cyclic_budget_guard():
         sampling="cyclic",
         weak_convexity=0.0,
         smoothness=0.5,
-        noise_multiplier=10.0,
+        noise=10.0,
         epsilon=2.0,
         generator=gen(),
     )
@@ -199,7 +199,7 @@ def test_proximal_operators():
 def test_checkpoint_round_trip_and_corruption():
     x, y = data()
     options = dict(
-        lr=0.1, clip=1.0, steps=10, batch_size=8, sampling="poisson", noise_multiplier=1.0, sampler_seed=5
+        lr=0.1, clip=1.0, steps=10, batch_size=8, sampling="poisson", noise=1.0, sampler_seed=5
     )
     full = DPSGD(linear(), logistic, x, y, generator=gen(1), **options)
     full.run(progress=False)
@@ -213,7 +213,7 @@ def test_checkpoint_round_trip_and_corruption():
         assert torch.equal(a, b)
     for corrupt in (
         {**state, "algorithm": "DIFF2"},
-        {**state, "noise": {"gradient": 2.0}},
+        {**state, "binding": {**state["binding"], "noise.gradient": 2.0}},
         {k: v for k, v in state.items() if k != "accountant"},
     ):
         with pytest.raises(ValueError, match="state"):
@@ -234,7 +234,7 @@ def test_cyclic_composition_accounting_counts_the_passes_started():
         sampling="cyclic",
         weak_convexity=0.0,
         smoothness=0.5,
-        noise_multiplier=4.0,
+        noise=4.0,
         bound="composition",
         generator=gen(),
     )

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dpvr
+from dpvr import PaperSigmas
 from dpvr.cli import main
 from dpvr.objectives import AUCMargin, AUCModel
 from dpvr.optim import DPSGDA, BudgetExhaustedError, PrivateDiff
@@ -36,7 +37,8 @@ def gen(seed=0):
 def private_diff(model, x, y, **kw):
     options = dict(
         lr=0.3, lr_y=0.5, rounds=6, restart=3, y_steps=2, batch_size=None, sampling="full",
-        clip0=1e6, clip1=1e6, clip2=1e6, clip3=0.0, sigma_x1=TINY, sigma_x2=TINY, sigma_y=TINY,
+        clip0=1e6, clip1=1e6, clip2=1e6, clip3=0.0,
+        noise=PaperSigmas(checkpoint=TINY, difference=TINY, y=TINY),
         generator=gen(),
     )  # fmt: skip
     options.update(kw)
@@ -95,14 +97,14 @@ def test_per_round_sensitivity_holds_on_neighbouring_data(data):
     a = private_diff(model_fn(), *data, **options)
     b = private_diff(model_fn(), *neighbour(data), **options)
     for _ in range(5):
-        b.load_state_dict(a.state_dict())
+        b._restore(a.state_dict())  # the same released history on the neighbouring dataset
         a.step(), b.step()
         assert 0 < float((a.y - b.y).abs()) <= a.lr_y * 2 * 0.2 / m * (1 + 1e-9)
     # y held still (a step of 1e-300 is lost to rounding) so both x-releases read the same y_{r+1}
     a = private_diff(model_fn(), *data, **{**options, "lr_y": 1e-300})
     b = private_diff(model_fn(), *neighbour(data), **{**options, "lr_y": 1e-300})
     for _ in range(5):
-        b.load_state_dict(a.state_dict())
+        b._restore(a.state_dict())  # the same released history on the neighbouring dataset
         info_a, info_b = a.step(), b.step()
         assert info_a["radius"] == info_b["radius"]
         bound = 2 * info_a["radius"] / m
@@ -114,12 +116,12 @@ def test_dp_sgda_sensitivity_and_noise_free_step(data):
     x, y = data
     options = dict(
         lr=0.1, lr_y=0.5, steps=3, batch_size=None, sampling="full", clip_x=0.5, clip_y=0.2,
-        sigma_x=TINY, sigma_y=TINY, generator=gen(),
+        noise=PaperSigmas(x=TINY, y=TINY), generator=gen(),
     )  # fmt: skip
     a = DPSGDA(model_fn(), PROBLEM, x, y, **options)
     b = DPSGDA(model_fn(), PROBLEM, *neighbour(data), **options)
     for _ in range(3):
-        b.load_state_dict(a.state_dict())
+        b._restore(a.state_dict())  # the same released history on the neighbouring dataset
         a.step(), b.step()
         step_gap = global_norm([pa.detach() - pb.detach() for pa, pb in zip(a.params, b.params)])
         assert 0 < step_gap <= a.lr * 2 * 0.5 / len(x) * (1 + 1e-9)
@@ -173,7 +175,7 @@ def test_checkpoint_resume_and_budget_guard(data):
     x, y = data
     options = dict(
         lr=0.1, lr_y=0.2, rounds=6, restart=2, y_steps=2, batch_size=8, clip0=1.0, clip1=1.0, clip2=1.0,
-        clip3=0.1, sigma_x1=0.05, sigma_x2=0.05, sigma_y=0.05, sampler_seed=3,
+        clip3=0.1, noise=PaperSigmas(checkpoint=0.05, difference=0.05, y=0.05), sampler_seed=3,
     )  # fmt: skip
     full = PrivateDiff(model_fn(), PROBLEM, x, y, generator=gen(7), **options)
     full.run(progress=False)
@@ -194,10 +196,10 @@ def test_checkpoint_resume_and_budget_guard(data):
 
 def test_bad_arguments(data):
     x, y = data
-    with pytest.raises(ValueError, match="sigma"):
+    with pytest.raises(ValueError, match="missing"):
         PrivateDiff(
             model_fn(), PROBLEM, x, y, lr=0.1, lr_y=0.1, rounds=2, restart=1, y_steps=1, batch_size=4,
-            clip0=1, clip1=1, clip2=1, clip3=0, sigma_x1=1.0,
+            clip0=1, clip1=1, clip2=1, clip3=0, noise=PaperSigmas(checkpoint=1.0),
         )  # fmt: skip
     with pytest.raises(ValueError, match="clip3"):
         PrivateDiff(

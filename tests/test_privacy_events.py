@@ -82,11 +82,14 @@ def test_spider_streams():
     assert [s.count for s in streams.values()] == [10, 85, 10, 85]
     assert streams["eta-refresh"].sampling.scheme == "full"
     assert streams["x-refresh"].sampling == Sampling("wor", 0.5, 1000)
-    recursive = RecursiveSpider(
-        1000, 95, 10, (1000, 32, 1000, 32), sampling="poisson", neighbouring="add-remove"
-    )
+    recursive = RecursiveSpider(1000, 95, 10, (1000, 32, 1000, 32))
     streams = {s.name: s for s in recursive(dict.fromkeys(recursive.streams, 1.0)).streams}
     assert list(streams) == ["v-refresh", "v-difference", "u-refresh", "u-difference", "s"]
+    assert streams["s"].count == 95 and streams["s"].sampling == Sampling("wor", 1 / 1000, 1000)
+    poisson = RecursiveSpider(
+        1000, 95, 10, (1000, 32, 1000, 32), sampling="poisson", neighbouring="add-remove"
+    )
+    streams = {s.name: s for s in poisson(dict.fromkeys(poisson.streams, 1.0)).streams}
     assert streams["s"].count == 95 and streams["s"].sampling == Sampling("poisson", 1 / 1000)
 
 

@@ -13,11 +13,13 @@ from .ops import (
     noisy_update,
     per_sample_norms,
 )
+from .privacy import PaperSigmas
 
 __version__ = "0.1.0"
 
 __all__ = [
     "NoiseGenerator",
+    "PaperSigmas",
     "PredictableNoiseError",
     "__version__",
     "add_noise",

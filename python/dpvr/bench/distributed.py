@@ -23,6 +23,7 @@ from torch import nn
 from ..distributed import launch
 from ..ops import NoiseGenerator, torch_threads
 from ..optim import DIFF2
+from ..privacy import PaperSigmas
 from ..results import Record, document, format_table, write_json
 
 CLIENTS = (2, 4, 8)
@@ -48,7 +49,8 @@ def _shards(clients: int, records: int, width: int) -> list[tuple[torch.Tensor, 
 def run(*, quick: bool = False, clients: tuple[int, ...] = CLIENTS) -> list[Record]:
     rounds = 12 if quick else 40
     records, width, hidden = (128, 32, 64) if quick else (512, 64, 256)
-    options = dict(lr=0.1, rounds=rounds, restart=10, clip1=1.0, clip2=1.0, sigma1=0.01, sigma2=0.01)
+    noise = PaperSigmas(restart=0.01, difference=0.01)
+    options = dict(lr=0.1, rounds=rounds, restart=10, clip1=1.0, clip2=1.0, noise=noise)
     out: list[Record] = []
     for p in clients:
         shards = _shards(p, records, width)

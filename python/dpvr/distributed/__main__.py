@@ -23,6 +23,7 @@ from torch import nn
 
 from ..optim.base import LossFn
 from ..optim.diff2 import Shard
+from ..privacy import PaperSigmas
 from .driver import aggregate, serve
 from .group import DistributedError, init_group
 
@@ -97,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if client is not None:
             serve(group, model, loss_fn, tuple(t.to(group.device) for t in shard))
             return 0
-        sigmas = dict(zip(("sigma1", "sigma2", "sigma3"), args.sigma or ()))
+        noise = PaperSigmas(zip(("restart", "difference", "local"), args.sigma)) if args.sigma else None
         result = aggregate(
             group,
             model,
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             local_steps=args.local_steps,
             local_batch=args.local_batch,
             clip3=args.clip3,
-            **sigmas,
+            noise=noise,
         )
     except DistributedError as err:
         print(f"rank {group.rank}: {err}", file=sys.stderr)

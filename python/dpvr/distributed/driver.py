@@ -77,8 +77,12 @@ class RemoteClients:
 
     ``params`` are the aggregator model's parameters (the point sent is always their current value).
     ``runs``: for clients in :func:`serve_runs`, each client's pickled run, sent first. Construction
-    performs the handshake in which each client reports its shard size and dimension.
+    performs the handshake in which each client reports its shard size and dimension. ``fingerprint``
+    identifies the clients' data for DIFF2's checkpoint binding where the aggregator knows it (a pool,
+    which ships the shards); otherwise the binding holds only the shard sizes.
     """
+
+    fingerprint: str | None = None
 
     def __init__(
         self, group: Group, params: Sequence[torch.Tensor], runs: Sequence[bytes] | None = None

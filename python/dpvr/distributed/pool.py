@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ..grads import trainable_parameters
-from ..optim.base import LossFn
+from ..optim.base import LossFn, data_fingerprint
 from ..optim.diff2 import Shard
 from .driver import CLOSE, HEADER, RemoteClients, serve_runs
 from .group import DistributedError, init_group, join_group, seconds
@@ -145,6 +145,7 @@ class ClientPool:
         ]
         try:
             transport = RemoteClients(self.group, [p for _, p in trainable_parameters(model)], runs)
+            transport.fingerprint = data_fingerprint([t for shard in shards for t in shard])
         except DistributedError as err:
             self.broken = str(err)
             raise

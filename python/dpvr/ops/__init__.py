@@ -14,6 +14,8 @@ from .kernels import (
 from .noise import NoiseGenerator, NoiseKey, PredictableNoiseError
 from .threads import torch_threads
 
+NonFiniteError = _C.NonFiniteError  # a non-finite per-sample value under nonfinite="raise"
+
 
 def backends() -> dict[str, bool]:
     """Which native backends this build has and can use now."""
@@ -30,6 +32,7 @@ __all__ = [
     "IndexTerm",
     "NoiseGenerator",
     "NoiseKey",
+    "NonFiniteError",
     "PredictableNoiseError",
     "add_noise",
     "backends",

@@ -8,6 +8,7 @@ returned as one-element device arrays.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -273,7 +274,13 @@ def noisy_update(
     if sigma < 0:
         raise ValueError(f"sigma: must be >= 0, got {sigma}")
     norm, norm_address = call.scalar_buffer("float64") if params is not None else (None, 0)
-    key = generator.next_key(stream) if sigma > 0 else None
+    key = None
+    if sigma > 0:
+        inputs = b""
+        if generator.bound:  # the noise key binds what the noise is added to
+            released = ([] if reset else vs) + ([] if sum is None else _as_list(sum, "sum"))
+            inputs = _digest(released, (float(scale), float(sigma), bool(reset)))
+        key = generator.next_key(stream, inputs)
     _C.noisy_update(
         call.device,
         0 if call.dtype == "float32" else 1,
@@ -294,6 +301,29 @@ def noisy_update(
     if norm is None:
         return None
     return float(norm[0]) if call.device == CPU else norm
+
+
+def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
+    """A digest of ``arrays``' values and ``scalars``: bit-identical inputs, and only those, give equal
+    digests (up to hash collisions). Host arrays are hashed whole; CUDA torch tensors are reduced on the
+    device to two position-weighted integer sums of their bits (which a change of any one element alters),
+    so only 16 bytes cross to the host."""
+    h = hashlib.blake2b(repr(scalars).encode(), digest_size=16)
+    for a in arrays:
+        described = view(a, "sum")
+        if described.device == CPU:
+            host = a.detach().numpy() if described.framework == "torch" else a
+            h.update(np.ascontiguousarray(host).tobytes())
+        elif described.framework == "torch":
+            import torch
+
+            bits = a.detach().contiguous().reshape(-1)
+            bits = bits.view(torch.int32 if bits.element_size() == 4 else torch.int64).to(torch.int64)
+            weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+            h.update(torch.stack([bits.sum(), (bits * weights).sum()]).cpu().numpy().tobytes())
+        else:  # cupy
+            h.update(np.ascontiguousarray(a.get()).tobytes())
+    return h.digest()
 
 
 def add_noise(out: Array | Sequence[Array], sigma: float, *, generator: NoiseGenerator, stream: str) -> None:

@@ -7,6 +7,7 @@ exactly from the generator's state.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,12 @@ class NoiseGenerator:
 
     Privacy note: the generator's state contains the seed. A checkpoint holding it must be protected like the
     training data, since the seed lets anyone regenerate and remove the noise.
+
+    Binding (what the algorithms use): after :meth:`bind` with a run's context (a digest of every setting
+    that shapes its releases), each key's seed is ``H(seed, context, inputs)``, where ``inputs`` is a digest
+    of what the release adds noise to (:func:`dpvr.ops.noisy_update` computes it). Two releases then share
+    noise only if they have the same seed, settings, stream, step *and* bit-identical inputs, i.e. only if
+    they are the same release: no replay, resume or reconfiguration can subtract one noise draw from another.
     """
 
     def __init__(self, seed: int | None = None, *, reproducible: bool = False) -> None:
@@ -55,10 +62,22 @@ class NoiseGenerator:
                 )
         self._seed = seed
         self._streams: dict[str, list[int]] = {}  # name -> [stream id, next step]
+        self._context: bytes | None = None
 
     @property
     def seed(self) -> int:
         return self._seed
+
+    @property
+    def bound(self) -> bool:
+        """Whether keys depend on a run's context and each release's inputs (see :meth:`bind`)."""
+        return self._context is not None
+
+    def bind(self, context: bytes) -> None:
+        """Derive every later key from ``context`` and the release's inputs (see the class documentation)."""
+        if not isinstance(context, bytes) or not context:
+            raise ValueError("context: must be non-empty bytes")
+        self._context = context
 
     def stream_id(self, name: str) -> int:
         """The id of stream ``name``; ids are assigned in order of first use."""
@@ -68,13 +87,21 @@ class NoiseGenerator:
             self._streams[name] = [len(self._streams), 0]
         return self._streams[name][0]
 
-    def next_key(self, name: str) -> NoiseKey:
-        """Reserves the next draw of stream ``name`` and returns its address."""
+    def next_key(self, name: str, inputs: bytes = b"") -> NoiseKey:
+        """Reserves the next draw of stream ``name`` and returns its address; on a bound generator the key's
+        seed also depends on the context and on ``inputs``, the digest of what the draw is added to."""
         self.stream_id(name)
         entry = self._streams[name]
         if entry[1] >= _MAX_STEPS:
             raise RuntimeError(f"NoiseGenerator: stream '{name}' has used all {_MAX_STEPS} steps")
-        key = NoiseKey(self._seed, entry[0], entry[1])
+        seed = self._seed
+        if self._context is not None:
+            digest = hashlib.blake2b(digest_size=8)
+            for part in (seed.to_bytes(8, "little"), self._context, inputs):
+                digest.update(len(part).to_bytes(8, "little"))
+                digest.update(part)
+            seed = int.from_bytes(digest.digest(), "little")
+        key = NoiseKey(seed, entry[0], entry[1])
         entry[1] += 1
         return key
 
@@ -83,6 +110,8 @@ class NoiseGenerator:
         return self._streams.get(name, [0, 0])[1]
 
     def state_dict(self) -> dict[str, Any]:
+        """Seed and step counters. The binding context is not kept: the algorithm that loads the state
+        binds it again with its own context."""
         return {"seed": self._seed, "streams": {k: list(v) for k, v in self._streams.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -99,6 +128,6 @@ class NoiseGenerator:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> NoiseGenerator:
         gen = cls.__new__(cls)
-        gen._seed, gen._streams = 0, {}
+        gen._seed, gen._streams, gen._context = 0, {}, None
         gen.load_state_dict(state)
         return gen

@@ -7,7 +7,10 @@ it fits the budget, then runs, then is recorded.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import inspect
 import io
 import json
 import math
@@ -16,6 +19,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,12 +27,22 @@ from ..grads import trainable_parameters
 from ..ops import NoiseGenerator
 from ..privacy import Accountant, PrivacyReport
 from ..privacy.calibration import calibrate
-from ..privacy.events import Plan
+from ..privacy.events import PaperSigmas, Plan
+from ..privacy.mechanism import noise_dict
+from .gradients import check_nonfinite
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 CHECKPOINT_MAGIC = b"DPVR-CHECKPOINT\n"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+
+# Constructor arguments that do not shape what a run releases: the budget (it only stops a run), the
+# accountant and calibration (the noise they produce is bound itself), the noise source (restored from the
+# state) and the objects fingerprinted on their own (model, loss, data).
+_UNBOUND_ARGUMENTS = frozenset({
+    "self", "model", "loss_fn", "problem", "inputs", "targets", "clients", "generator", "epsilon", "delta",
+    "calibration", "accountant", "u", "sampler_seed",
+})
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -41,13 +55,44 @@ class PrivateAlgorithm:
     Subclasses set ``plan`` (the :mod:`dpvr.privacy.events` description of the run), ``noise`` (noise
     multiplier per stream), implement :meth:`step` and list their state tensors in :meth:`_buffers`.
 
+    Noise is given one way everywhere: ``noise={stream: z}``, a noise multiplier per named stream of the
+    plan in the accountant's convention (one number for a one-stream plan), or :class:`~dpvr.PaperSigmas`
+    to convert a paper's sigmas explicitly, or ``epsilon`` to calibrate all streams jointly.
+
+    ``nonfinite`` is the policy for a record whose contribution to any release is not finite: ``"zero"``
+    (the default: it contributes nothing, which keeps every sensitivity bound) or ``"raise"``
+    (:class:`dpvr.ops.NonFiniteError` before the release; the error reveals that such a record exists, so
+    use it to debug, not in a private run).
+
     What the guarantee covers: the released iterates (or, for last-iterate algorithms, the last one). The
     dictionaries :meth:`step` returns are diagnostics for the data holder: entries such as ``nonfinite``
     (samples dropped for non-finite gradients) are computed from the private data without noise and must
     not be published; entries derived from released iterates (clip radii, step lengths) may be.
+
+    Resuming (:meth:`load_state_dict`, :meth:`load_checkpoint`) is bound to the run. Protected:
+
+    - a state is loaded only into an algorithm with the same *binding* (:meth:`binding`): algorithm, plan
+      (steps, schedule, sampling, batch sizes, neighbouring relation), noise multipliers, every constructor
+      setting that shapes a release (clip radii, learning rates, ...), non-finite policy, parameter names,
+      shapes and dtypes, and a SHA-256 fingerprint of the private data; a load that differs is refused
+      with a message naming every entry that differs;
+    - noise cannot be reused by construction: the generator is bound to a digest of the binding, and every
+      noise key also depends on a digest of what that release adds noise to, so two releases share a noise
+      draw only if they are bit-identical (and then reveal nothing new).
+
+    Not protected: a replay after a resume that is *not* bit-identical to the first run's release of the
+    same step (the same settings and data on hardware that rounds differently) gets fresh noise, as it
+    must, but is not charged again: a checkpoint cannot know how many steps the first run released after it
+    was written. Resume on the machine that wrote the checkpoint, or charge such steps yourself. A state
+    holds the noise seed: keep it as confidential as the data.
     """
 
     name = "private-algorithm"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _recording_arguments(cls.__init__)
 
     def __init__(
         self,
@@ -57,16 +102,18 @@ class PrivateAlgorithm:
         plan: Plan,
         delta: float,
         epsilon: float | None,
-        noise: Mapping[str, float] | None,
+        noise: Mapping[str, float] | float | None,
         calibration: str,
         accountant: str,
         generator: NoiseGenerator | None,
+        nonfinite: str = "zero",
         **paper_options: float,
     ) -> None:
         if not 0 < delta < 1:
             raise ValueError(f"delta: must be in (0, 1), got {delta}")
         if epsilon is not None and not epsilon > 0:
             raise ValueError(f"epsilon: must be > 0, got {epsilon}")
+        self.nonfinite = check_nonfinite(nonfinite)
         self.model, self.loss_fn, self.plan = model, loss_fn, plan
         self.param_names, self.params = map(list, zip(*trainable_parameters(model)))
         for name, p in zip(self.param_names, self.params):
@@ -75,20 +122,55 @@ class PrivateAlgorithm:
         self.flat = [p.detach().view(-1) for p in self.params]
         if noise is None:
             if epsilon is None:
-                raise ValueError("give either the noise (sigma...) or a target epsilon to calibrate it")
+                raise ValueError("give noise={stream: noise multiplier} or a target epsilon to calibrate it")
             noise = calibrate(
                 plan, epsilon, delta, accountant=accountant, calibration=calibration, **paper_options
             )
-        missing = set(plan.streams) - set(noise)
-        if missing:
-            raise ValueError(f"noise: missing streams {sorted(missing)}")
-        self.noise = {k: float(noise[k]) for k in plan.streams}
+        elif isinstance(noise, PaperSigmas):
+            noise = plan.noise_from_paper(noise)
+        elif isinstance(noise, Mapping):
+            unknown = sorted(set(noise) - set(plan.stream_names))
+            if unknown:
+                raise ValueError(
+                    f"noise: {unknown} are not streams of {self.name} ({list(plan.stream_names)})"
+                )
+            noise = {k: v for k, v in noise.items() if k in plan.streams}  # streams without releases drop
+        self.noise = noise_dict(plan.streams, noise)
         self.epsilon_budget, self.delta = epsilon, delta
         self.accountant = Accountant(accountant, plan.neighbouring)
         for assumption in plan.mechanism(self.noise).assumptions:
             self.accountant.assume(assumption)
         self.generator = generator if generator is not None else NoiseGenerator()
         self.steps_done = 0
+
+    # ---- binding -------------------------------------------------------------------------------------
+    def _data(self) -> Sequence[torch.Tensor] | str:
+        """The private data (tensors, hashed for the binding), or a fingerprint of it."""
+        return []
+
+    def binding(self) -> dict[str, Any]:
+        """Every setting that shapes what this run releases, as a flat dictionary of canonical values.
+
+        A state is loaded only into an algorithm with an equal binding; the generator's noise keys are
+        derived from a digest of it (the data fingerprint excepted, so that a run whose clients hold the
+        data elsewhere draws the same noise as the same run in one process)."""
+        bound = {"algorithm": self.name, "nonfinite": self.nonfinite}
+        bound.update({f"noise.{k}": v for k, v in sorted(self.noise.items())})
+        for f in dataclasses.fields(self.plan) if dataclasses.is_dataclass(self.plan) else ():
+            bound[f"plan.{f.name}"] = _canonical(getattr(self.plan, f.name))
+        for name, value in sorted(getattr(self, "_arguments", {}).items()):
+            bound[f"setting.{name}"] = _canonical(value)
+        for name, p in zip(self.param_names, self.params):
+            bound[f"parameter.{name}"] = f"{tuple(p.shape)} {p.dtype}"
+        data = self._data()
+        bound["data"] = data if isinstance(data, str) else data_fingerprint(data)
+        return bound
+
+    def _bind_noise(self) -> None:
+        """Derive the generator's keys from this run's binding (call once the subclass is built)."""
+        settings = {k: v for k, v in self.binding().items() if k != "data"}
+        self._noise_context = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
+        self.generator.bind(self._noise_context)
 
     # ---- privacy -------------------------------------------------------------------------------------
     def _admit(self, stream: str) -> tuple[Any, Any]:
@@ -157,8 +239,8 @@ class PrivateAlgorithm:
         return {
             "format": STATE_FORMAT,
             "algorithm": self.name,
+            "binding": self.binding(),
             "steps_done": self.steps_done,
-            "noise": dict(self.noise),
             "params": [p.detach().clone() for p in self.params],
             "buffers": {k: [t.clone() for t in v] for k, v in self._buffers().items()},
             "generator": self.generator.state_dict(),
@@ -178,8 +260,16 @@ class PrivateAlgorithm:
                 raise ValueError(f"state: buffers {sorted(buffers)} differ from {sorted(mine)}")
             for k in mine:
                 _check_tensors(k, buffers[k], mine[k])
-            if dict(state["noise"]) != self.noise:
-                raise ValueError("state: noise multipliers differ from this algorithm's")
+            mine_bound, theirs = self.binding(), dict(state["binding"])
+            differ = sorted(k for k in set(mine_bound) | set(theirs) if mine_bound.get(k) != theirs.get(k))
+            if differ:
+                shown = "; ".join(
+                    f"{k}: checkpoint {theirs.get(k)!r}, here {mine_bound.get(k)!r}" for k in differ
+                )
+                raise ValueError(
+                    f"state: written by a {self.name} run with other settings, and resuming it here could "
+                    f"release what that run already released under other conditions; differs in {shown}"
+                )
         except (KeyError, TypeError) as err:
             raise ValueError(f"state: not a {self.name} checkpoint ({err!r})") from None
         self._restore(state)
@@ -199,6 +289,7 @@ class PrivateAlgorithm:
             for k, tensors in self._buffers().items():
                 for t, v in zip(tensors, state["buffers"][k]):
                     t.copy_(v)
+        generator.bind(self._noise_context)
         self.generator, self.accountant, self.steps_done = generator, accountant, steps
         self._load_extra_state(state["extra"])
 
@@ -259,6 +350,69 @@ class PrivateAlgorithm:
                 f"checkpoint {os.fspath(path)!r}: written by {header.get('algorithm')!r}, not {self.name}"
             )
         self.load_state_dict(torch.load(io.BytesIO(payload), weights_only=True))
+
+
+def _recording_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """Wraps a subclass ``__init__`` so that the outermost call records its bound arguments (the settings a
+    checkpoint binds), before the constructor runs."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def wrapper(self: PrivateAlgorithm, *args: Any, **kwargs: Any) -> None:
+        outermost = "_arguments" not in self.__dict__
+        if outermost:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = {}
+            for name, value in bound.arguments.items():
+                kind = signature.parameters[name].kind
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    arguments.update(value)
+                elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                    arguments[name] = value
+            self._arguments = {k: v for k, v in arguments.items() if k not in _UNBOUND_ARGUMENTS}
+        init(self, *args, **kwargs)
+        if outermost:
+            self._bind_noise()
+
+    return wrapper
+
+
+def _canonical(value: Any, depth: int = 0) -> Any:
+    """A JSON-comparable form of a setting: numbers, strings, lists, dicts; arrays and objects by content
+    (every attribute, to a nesting depth of 6, so that a problem object's data is part of it)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float, np.number)):
+        return float(value) if math.isfinite(value) else repr(float(value))
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {value.dtype} {data_fingerprint([value])}"
+    if isinstance(value, np.ndarray):
+        return f"array {value.shape} {value.dtype} {data_fingerprint([torch.from_numpy(np.array(value))])}"
+    if depth > 6:
+        return type(value).__qualname__
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, depth + 1) for v in value]
+    if isinstance(value, nn.Module):
+        return {"module": type(value).__qualname__, **_canonical(value.state_dict(), depth + 1)}
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {"type": type(value).__qualname__, **_canonical(fields, depth + 1)}
+    if hasattr(value, "__dict__") and not callable(value):
+        return {"type": type(value).__qualname__, **_canonical(vars(value), depth + 1)}
+    return type(value).__qualname__ if callable(value) else repr(value)
+
+
+def data_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
+    """SHA-256 of the tensors' shapes, dtypes and values."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _check_tensors(name: str, given: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:

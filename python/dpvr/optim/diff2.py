@@ -126,9 +126,12 @@ class DIFF2(PrivateAlgorithm):
     Privacy (record-level, replace-one, w.r.t. each client's data; Prop. 4.1 / E.2): the clip radii are
     functions of released iterates only and every noise std scales with its radius, so each round is a
     Gaussian release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for
-    local steps). All streams are recorded in one accountant as they happen. Give the ``sigma`` values, or
-    ``epsilon`` to calibrate them jointly (``calibration="tight"``) or by Proposition 4.1 (``"paper"``, with
-    ``u``).
+    local steps, ``sigma`` the paper's noise on the averaged mean). All streams are recorded in one
+    accountant as they happen. Give ``noise={"restart": z1, "difference": z2[, "local": z3]}`` (noise
+    multipliers), ``noise=PaperSigmas(restart=sigma1, ...)`` (the paper's sigmas), or ``epsilon`` to
+    calibrate them jointly (``calibration="tight"``) or by Proposition 4.1 (``"paper"``, with ``u``). Each
+    client's mean divides by its shard size: public under replace-one, the only relation DIFF2 is accounted
+    under.
 
     Gradients: ``grad_mode="auto"`` uses ghost clipping (no per-sample gradient tensor) where the model
     allows and materialised per-sample gradients otherwise; ``self.gradients.mode`` says which was used.
@@ -150,13 +153,11 @@ class DIFF2(PrivateAlgorithm):
         restart: int,
         clip1: float,
         clip2: float,
-        sigma1: float | None = None,
-        sigma2: float | None = None,
+        noise: dict[str, float] | None = None,
         routine: str = "gd",
         local_steps: int = 1,
         local_batch: int | None = None,
         clip3: float | None = None,
-        sigma3: float | None = None,
         epsilon: float | None = None,
         delta: float = 1e-5,
         calibration: str = "tight",
@@ -167,6 +168,7 @@ class DIFF2(PrivateAlgorithm):
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
         grad_mode: str = "auto",
+        nonfinite: str = "zero",
     ) -> None:
         remote = isinstance(clients, ClientTransport)
         sizes = list(clients.sizes) if remote else [len(x) for x, _ in clients]
@@ -191,12 +193,6 @@ class DIFF2(PrivateAlgorithm):
             local_steps=local_steps,
             local_batch=local_batch,
         )
-        given = {"restart": sigma1, "difference": sigma2, "local": sigma3}
-        noise = None
-        if any(given[s] is not None for s in plan.streams):
-            if any(given[s] is None for s in plan.streams):
-                raise ValueError(f"give every sigma of {plan.streams} or none (to calibrate from epsilon)")
-            noise = {s: plan.noise_multiplier(given[s], s) for s in plan.streams}
         options = {"u": u} if calibration == "paper" and routine == "gd" else {}
         super().__init__(
             model,
@@ -208,13 +204,16 @@ class DIFF2(PrivateAlgorithm):
             calibration=calibration,
             accountant=accountant,
             generator=generator,
+            nonfinite=nonfinite,
             **options,
         )
         self.sigma = {s: plan.sigma(z, s) for s, z in self.noise.items()}
         self.lr, self.rounds, self.restart = float(lr), int(rounds), int(restart)
         self.clip1, self.clip2, self.clip3 = float(clip1), float(clip2), clip3
         self.routine, self.local_steps, self.output = routine, local_steps, output
-        self.gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
+        self.gradients = ClippedGradients(
+            model, loss_fn, mode=grad_mode, chunk_size=chunk_size, nonfinite=nonfinite
+        )
         # The shards held in this process (none on a distributed aggregator), and how rounds reach them.
         self.clients = [] if remote else list(clients)
         self.transport: ClientTransport = (
@@ -243,6 +242,13 @@ class DIFF2(PrivateAlgorithm):
     @property
     def total_steps(self) -> int:
         return self.rounds
+
+    def _data(self) -> list[torch.Tensor] | str:
+        if self.clients:
+            return [t for shard in self.clients for t in shard]
+        # Shards held by client processes: their fingerprint if the transport knows it, else their sizes.
+        remote = getattr(self.transport, "fingerprint", None)
+        return remote or f"remote shards of sizes {list(self.transport.sizes)}"
 
     def _server_round(self, r: int, restart: bool) -> tuple[float, int]:
         radius = self.clip1 if restart else self.clip2 * self._move

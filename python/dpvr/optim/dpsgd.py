@@ -29,8 +29,14 @@ class DPSGD(PrivateAlgorithm):
     Privacy: the composition of ``steps`` sampled Gaussian mechanisms with noise multiplier ``z`` under the
     neighbouring relation (default: add/remove for Poisson, replace-one otherwise), recorded step by step
     in ``self.accountant``; a step that would exceed ``epsilon`` raises
-    :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Give ``noise_multiplier``,
-    or ``epsilon`` to calibrate it for the whole ``steps``.
+    :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Give ``noise`` (the noise
+    multiplier of the one stream ``"gradient"``: a number or ``{"gradient": z}``), or ``epsilon`` to
+    calibrate it for the whole ``steps``.
+
+    Normalisers must be public under the relation in force. Under add/remove the dataset size ``n`` is
+    private, so a full batch (DP-GD) would divide by it: that combination is refused. Poisson sampling
+    divides by the public ``batch_size``; its rate ``batch_size / n`` uses ``n`` as the usual convention
+    does (Abadi et al., Opacus), which assumes the dataset size is known, as the accountant's rate is.
 
     ``grad_mode="auto"`` uses ghost clipping where the model allows (``self.gradients.mode`` says which
     path ran); ``"materialised"`` forces per-sample gradients.
@@ -62,7 +68,7 @@ class DPSGD(PrivateAlgorithm):
         steps: int,
         batch_size: int | None = None,
         sampling: str = "poisson",
-        noise_multiplier: float | None = None,
+        noise: float | dict[str, float] | None = None,
         epsilon: float | None = None,
         delta: float = 1e-5,
         neighbouring: str | None = None,
@@ -77,12 +83,20 @@ class DPSGD(PrivateAlgorithm):
         smoothness: float | None = None,
         clipping: bool = True,
         bound: str = "last-iterate",
+        nonfinite: str = "zero",
     ) -> None:
         if len(inputs) != len(targets):
             raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
         if not clip > 0:
             raise ValueError(f"clip: must be > 0, got {clip}")
         n = len(inputs)
+        neighbouring = neighbouring or ("add-remove" if sampling == "poisson" else "replace-one")
+        if sampling == "full" and neighbouring == "add-remove":
+            raise ValueError(
+                "sampling='full' with neighbouring='add-remove': the full-batch mean divides by the dataset "
+                "size, which is private under add/remove (it moves the mean by ~2C/n and changes the noise "
+                "std); use neighbouring='replace-one' (n is public) or sampling='poisson'"
+            )
         self.sampler = BatchSampler(sampling, n, batch_size, sampler_seed)
         self.last_iterate_only = sampling == "cyclic"
         if self.last_iterate_only:
@@ -108,7 +122,7 @@ class DPSGD(PrivateAlgorithm):
                 sampling=sampling,
                 batch_size=self.sampler.batch_size,
                 dataset_size=n,
-                neighbouring=neighbouring or ("add-remove" if sampling == "poisson" else "replace-one"),
+                neighbouring=neighbouring,
             )
         super().__init__(
             model,
@@ -116,21 +130,27 @@ class DPSGD(PrivateAlgorithm):
             plan=plan,
             delta=delta,
             epsilon=epsilon,
-            noise=None if noise_multiplier is None else {"gradient": noise_multiplier},
+            noise=noise,
             calibration=calibration,
             accountant=accountant,
             generator=generator,
+            nonfinite=nonfinite,
         )
         self.inputs, self.targets = inputs, targets
         self.lr, self.clip, self.steps, self.prox = float(lr), float(clip), int(steps), prox
         self.clipping = clipping or not self.last_iterate_only
-        self.gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
+        self.gradients = ClippedGradients(
+            model, loss_fn, mode=grad_mode, chunk_size=chunk_size, nonfinite=nonfinite
+        )
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self._v = [torch.zeros_like(f) for f in self.flat]
 
     @property
     def total_steps(self) -> int:
         return self.steps
+
+    def _data(self) -> list[torch.Tensor]:
+        return [self.inputs, self.targets]
 
     def step(self) -> dict[str, float]:
         admitted = self._admit("gradient")

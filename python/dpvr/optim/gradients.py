@@ -19,24 +19,59 @@ from ..grads import GhostClipper, per_sample_grads, per_sample_grads_at_two_poin
 MODES = ("auto", "ghost", "materialised")
 
 
+def check_nonfinite(policy: str) -> str:
+    if policy not in ops.NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite: must be one of {sorted(ops.NONFINITE_POLICIES)}, got {policy!r}")
+    return policy
+
+
+def finite_records(values: torch.Tensor, policy: str, what: str) -> tuple[torch.Tensor, int]:
+    """``values`` (one row per record) with every row holding a non-finite entry zeroed, and their count.
+
+    The policy of the clip kernels, for released values computed outside them (Recursive-SPIDER's ``s``):
+    under ``"zero"`` such a record contributes nothing, so it cannot move a release by more than the
+    sensitivity; under ``"raise"`` it raises :class:`dpvr.ops.NonFiniteError` naming ``what``.
+    """
+    rows = values.reshape(len(values), -1)
+    bad = ~torch.isfinite(rows).all(dim=1)
+    count = int(bad.sum())
+    if count and policy == "raise":
+        raise ops.NonFiniteError(f"{what}: {count} record(s) have non-finite values")
+    if count:
+        values = torch.where(bad.view(-1, *([1] * (values.dim() - 1))), torch.zeros_like(values), values)
+    return values, count
+
+
 class ClippedGradients:
     """Per-sample clipping for one model and per-sample loss (``loss_fn(output, target)`` on one sample).
 
     Every sum adds, for each sample, a vector of L2 norm at most ``clip`` (both paths use the native clip
-    rule, which holds after rounding); non-finite samples contribute nothing. ``mode`` says which path is
-    used: ``"ghost"``, ``"mixed"`` (ghost with fallback layers) or ``"materialised"``.
+    rule, which holds after rounding). A sample whose gradient or weight is not finite follows ``nonfinite``:
+    ``"zero"`` (it contributes nothing, which keeps the sensitivity bound) or ``"raise"``
+    (:class:`dpvr.ops.NonFiniteError` before anything is written; the error itself reveals that such a
+    record exists, so it is for debugging, not for private runs). ``mode`` says which path is used:
+    ``"ghost"``, ``"mixed"`` (ghost with fallback layers) or ``"materialised"``.
     """
 
     def __init__(
-        self, model: nn.Module, loss_fn, *, mode: str = "auto", chunk_size: int | None = None
+        self,
+        model: nn.Module,
+        loss_fn,
+        *,
+        mode: str = "auto",
+        chunk_size: int | None = None,
+        nonfinite: str = "zero",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"grad_mode: must be one of {MODES}, got {mode!r}")
-        self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
+        check_nonfinite(nonfinite)
+        self.model, self.loss_fn, self.chunk_size, self.nonfinite = model, loss_fn, chunk_size, nonfinite
         on_host = all(p.device.type == "cpu" for p in model.parameters())
         if mode == "ghost" and not on_host:
             raise ValueError("grad_mode='ghost': ghost clipping runs on the host only for now")
-        self._ghost = GhostClipper(model, loss_fn) if mode != "materialised" and on_host else None
+        self._ghost = (
+            GhostClipper(model, loss_fn, nonfinite=nonfinite) if mode != "materialised" and on_host else None
+        )
         self.mode = self._ghost.mode if self._ghost is not None else "materialised"
 
     def sum(
@@ -59,7 +94,9 @@ class ClippedGradients:
         grads = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
         )
-        return int(ops.clip_accumulate(grads, clip, list(out), weights=weights, norms=norms))
+        return int(ops.clip_accumulate(
+            grads, clip, list(out), weights=weights, norms=norms, nonfinite=self.nonfinite
+        ))
 
     def diff_sum(
         self,
@@ -84,7 +121,7 @@ class ClippedGradients:
         now, before = per_sample_grads_at_two_points(
             self.model, self.loss_fn, inputs, targets, list(point), list(previous), chunk_size=self.chunk_size
         )
-        return int(ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b))
+        return int(ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b, nonfinite=self.nonfinite))
 
     @staticmethod
     def _add(sums, sample_norms, out, norms) -> int:

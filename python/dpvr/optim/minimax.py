@@ -94,7 +94,9 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             raise ValueError(f"y0: expected shape ({d},), got {tuple(start.shape)}")
         self.y = problem.project(start.detach().clone()).contiguous()
         self._with_y = _WithY(model, self.y)
-        self.gradients = ClippedGradients(self._with_y, x_loss, mode=grad_mode, chunk_size=chunk_size)
+        self.gradients = ClippedGradients(
+            self._with_y, x_loss, mode=grad_mode, chunk_size=chunk_size, nonfinite=self.nonfinite
+        )
         zeros = lambda: [torch.zeros_like(f) for f in self.flat]  # noqa: E731
         self._sum, self._v = zeros(), zeros()
         self._y_sum, self._y_v, self._y_scratch = (torch.zeros_like(self.y) for _ in range(3))
@@ -122,7 +124,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             outputs = self.model(self.inputs[batch])
         grads = self.problem.y_grads(outputs, self.targets[batch], self.y)
         self._y_sum.zero_()
-        return int(ops.clip_accumulate([grads], self.clip_y, [self._y_sum]))
+        return int(ops.clip_accumulate([grads], self.clip_y, [self._y_sum], nonfinite=self.nonfinite))
 
     def _y_step(self, stream: str, batch_size: int) -> None:
         """``y <- Proj_Y(y + lr_y (y_sum / b + N(0, (sigma_y C0)^2 I)))``: a noisy clipped ascent step."""
@@ -141,6 +143,9 @@ class MinimaxAlgorithm(PrivateAlgorithm):
 
     def _draw(self) -> Tensor:
         return torch.as_tensor(self.sampler.draw(), dtype=torch.long)
+
+    def _data(self) -> list[Tensor]:
+        return [self.inputs, self.targets]
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def _buffers(self) -> dict[str, list[Tensor]]:
@@ -165,10 +170,11 @@ class DPSGDA(MinimaxAlgorithm):
     Privacy (replace-one neighbours): each block's clipped mean moves by at most ``2C/b`` when one record is
     replaced, so the step is a Gaussian release of the pair on one sampled batch; it is accounted as the plan
     :class:`dpvr.privacy.events.DPSGDA` (shared batch) describes, step by step, with the budget guard: a
-    step that would exceed ``epsilon`` raises before anything is released. Give ``sigma_x`` and ``sigma_y``
-    (noise std over the clip radius on the batch mean, the paper's units) or ``epsilon`` to calibrate them
-    with the accountant. Assumptions: the batches are drawn as stated (the sampler is seeded from the
-    operating system unless ``sampler_seed`` is given), ``y0`` does not depend on the private data.
+    step that would exceed ``epsilon`` raises before anything is released. Give ``noise={"x": z_x,
+    "y": z_y}`` (noise multipliers), ``noise=PaperSigmas(x=sigma_x, y=sigma_y)`` (noise std over the clip
+    radius on the batch mean, the paper's units) or ``epsilon`` to calibrate them with the accountant.
+    Assumptions: the batches are drawn as stated (the sampler is seeded from the operating system unless
+    ``sampler_seed`` is given), ``y0`` does not depend on the private data.
 
     Output: the last iterate (the model's parameters and :attr:`y`).
     """
@@ -188,8 +194,7 @@ class DPSGDA(MinimaxAlgorithm):
         batch_size: int | None,
         clip_x: float,
         clip_y: float,
-        sigma_x: float | None = None,
-        sigma_y: float | None = None,
+        noise: dict[str, float] | None = None,
         sampling: str = "wor",
         epsilon: float | None = None,
         delta: float = 1e-5,
@@ -200,6 +205,7 @@ class DPSGDA(MinimaxAlgorithm):
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
         grad_mode: str = "auto",
+        nonfinite: str = "zero",
     ) -> None:
         for name, value in (("lr", lr), ("clip_x", clip_x)):
             if not value > 0:
@@ -216,7 +222,8 @@ class DPSGDA(MinimaxAlgorithm):
             lr_y=lr_y,
             clip_y=clip_y,
             y0=y0,
-            noise=_given(plan, {"x": sigma_x, "y": sigma_y}),
+            noise=noise,
+            nonfinite=nonfinite,
             grad_mode=grad_mode,
             chunk_size=chunk_size,
             delta=delta,
@@ -283,10 +290,11 @@ class PrivateDiff(MinimaxAlgorithm):
     **Privacy of x.** ``C_r`` depends on released iterates only and the noise std scales with it, so each
     x-round is a sampled Gaussian release of fixed noise multiplier (Lemma 8: sensitivity ``2C/m``). All
     three streams are recorded in one accountant as they happen, behind the budget guard. Give
-    ``sigma_x1``, ``sigma_x2``, ``sigma_y`` (noise std over the clip radius on the batch mean) or
-    ``epsilon`` to calibrate them jointly (``calibration="tight"``; Remark 5.1 prices the paper's output
-    perturbation, not these steps). Assumptions: batches drawn as stated (seeded from the operating system
-    unless ``sampler_seed`` is given); ``y0`` does not depend on the private data.
+    ``noise={"checkpoint": z1, "difference": z2, "y": z_y}`` (noise multipliers), ``noise=PaperSigmas(
+    checkpoint=sigma_x1, difference=sigma_x2, y=sigma_y)`` (noise std over the clip radius on the batch
+    mean) or ``epsilon`` to calibrate them jointly (``calibration="tight"``; Remark 5.1 prices the paper's
+    output perturbation, not these steps). Assumptions: batches drawn as stated (seeded from the operating
+    system unless ``sampler_seed`` is given); ``y0`` does not depend on the private data.
 
     Output: the last iterate (the model's parameters and :attr:`y`).
     """
@@ -310,9 +318,7 @@ class PrivateDiff(MinimaxAlgorithm):
         clip1: float,
         clip2: float,
         clip3: float,
-        sigma_x1: float | None = None,
-        sigma_x2: float | None = None,
-        sigma_y: float | None = None,
+        noise: dict[str, float] | None = None,
         sampling: str = "wor",
         epsilon: float | None = None,
         delta: float = 1e-5,
@@ -323,6 +329,7 @@ class PrivateDiff(MinimaxAlgorithm):
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
         grad_mode: str = "auto",
+        nonfinite: str = "zero",
     ) -> None:
         for name, value in (("lr", lr), ("clip1", clip1), ("clip2", clip2)):
             if not value > 0:
@@ -333,7 +340,6 @@ class PrivateDiff(MinimaxAlgorithm):
         plan = events.PrivateDiff(
             len(inputs), sampler.batch_size, rounds, restart, y_steps, sampling, y_release="ascent"
         )
-        given = {"checkpoint": sigma_x1, "difference": sigma_x2, "y": sigma_y}
         super().__init__(
             model,
             problem,
@@ -344,7 +350,8 @@ class PrivateDiff(MinimaxAlgorithm):
             lr_y=lr_y,
             clip_y=clip0,
             y0=y0,
-            noise=_given(plan, given),
+            noise=noise,
+            nonfinite=nonfinite,
             grad_mode=grad_mode,
             chunk_size=chunk_size,
             delta=delta,
@@ -432,12 +439,3 @@ class PrivateDiff(MinimaxAlgorithm):
         super()._load_extra_state(state)
         self._move = float(state["move"])
 
-
-def _given(plan: events.Plan, sigmas: dict[str, float | None]) -> dict[str, float] | None:
-    """Noise multipliers from the paper's sigmas of the plan's streams: all of them, or none (calibrate)."""
-    used = {s: sigmas[s] for s in plan.streams}
-    if all(v is None for v in used.values()):
-        return None
-    if any(v is None for v in used.values()):
-        raise ValueError(f"give every sigma of {tuple(used)} or none (to calibrate from epsilon)")
-    return {s: plan.noise_multiplier(v, s) for s, v in used.items()}

@@ -33,7 +33,7 @@ from ..objectives.dro import (
 )
 from ..privacy import events
 from .base import LossFn, PrivateAlgorithm, global_norm
-from .gradients import ClippedGradients
+from .gradients import ClippedGradients, finite_records
 from .sampling import BatchSampler
 
 
@@ -53,23 +53,28 @@ class _Spider(PrivateAlgorithm):
         sampler_seed: int | None,
         grad_mode: str,
         chunk_size: int | None,
+        nonfinite: str,
         **options: Any,
     ) -> None:
         if len(inputs) != len(targets):
             raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
-        super().__init__(model, loss_fn, plan=plan, noise=noise, **options)
+        super().__init__(model, loss_fn, plan=plan, noise=noise, nonfinite=nonfinite, **options)
         self.inputs, self.targets = inputs, targets
         n = len(inputs)
+        # One sampler per stream, keyed by name and sized by the plan's own per-stream batch size: what a
+        # stream draws is what its releases are charged for.
         self.samplers = {
             stream: BatchSampler(
-                "full" if b == n else plan.sampling,
+                "full" if plan.batch_size(stream) == n else plan.sampling,
                 n,
-                b,
+                plan.batch_size(stream),
                 None if sampler_seed is None else sampler_seed + k,
             )
-            for k, (stream, b) in enumerate(zip(plan.streams, plan.batch_sizes))
+            for k, (stream, _) in enumerate(plan.batch_sizes)
         }
-        self.gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
+        self.gradients = ClippedGradients(
+            model, loss_fn, mode=grad_mode, chunk_size=chunk_size, nonfinite=nonfinite
+        )
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self._prev = [p.detach().clone() for p in self.params]  # x_{t-1}
         self._prev_flat = [t.view(-1) for t in self._prev]
@@ -78,6 +83,9 @@ class _Spider(PrivateAlgorithm):
     @property
     def total_steps(self) -> int:
         return self.plan.steps
+
+    def _data(self) -> list[Tensor]:
+        return [self.inputs, self.targets]
 
     def _x(self) -> list[Tensor]:
         return [p.detach() for p in self.params]
@@ -114,13 +122,13 @@ class _Spider(PrivateAlgorithm):
             self.inputs[batch], t, x, previous, radius, self._sum, a=w, b=previous_weights.to(dtype)
         )
 
-    @staticmethod
-    def _scalar_sum(values: Tensor, radius: float, out: Tensor) -> int:
+    def _scalar_sum(self, values: Tensor, radius: float, out: Tensor) -> int:
         """``out = sum_i clip_radius(values_i)`` for per-sample scalars."""
         out.zero_()
         if radius == 0:
             return 0
-        return int(ops.clip_accumulate([values.reshape(-1, 1).to(out.dtype)], radius, [out]))
+        return int(ops.clip_accumulate([values.reshape(-1, 1).to(out.dtype)], radius, [out],
+                                       nonfinite=self.nonfinite))
 
     def _release(self, stream: str, estimate: Sequence[Tensor], total: Sequence[Tensor], radius: float,
                  reset: bool) -> None:
@@ -203,7 +211,7 @@ class DoubleSpider(_Spider):
         lam: float,
         steps: int,
         epoch_size: int,
-        batch_sizes: Sequence[int],
+        batch_sizes: Mapping[str, int] | Sequence[int],
         lr: float,
         lr_eta: float,
         max_move: float,
@@ -222,16 +230,17 @@ class DoubleSpider(_Spider):
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
         grad_mode: str = "auto",
+        nonfinite: str = "zero",
     ) -> None:
         for name, value in (("lam", lam), ("lr", lr), ("lr_eta", lr_eta), ("max_move", max_move),
                             ("clip1", clip1), ("clip3", clip3), *zip(("clip2", "clip2"), clip2),
                             *zip(("clip4", "clip4"), clip4)):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
-        plan = events.DoubleSpider(len(inputs), steps, epoch_size, tuple(batch_sizes), sampling)
+        plan = events.DoubleSpider(len(inputs), steps, epoch_size, _batch_sizes(batch_sizes), sampling)
         super().__init__(
             model, loss_fn, inputs, targets, plan=plan, noise=noise, sampler_seed=sampler_seed,
-            grad_mode=grad_mode, chunk_size=chunk_size, delta=delta, epsilon=epsilon,
+            grad_mode=grad_mode, chunk_size=chunk_size, nonfinite=nonfinite, delta=delta, epsilon=epsilon,
             calibration=calibration, accountant=accountant, generator=generator,
         )
         self.divergence, self.lam, self.q = divergence, float(lam), int(epoch_size)
@@ -300,13 +309,16 @@ class RecursiveSpider(_Spider):
        ``v += mean_{B2} clip_{k2 d_t}(grad_x g(w_t) - grad_x g(w_{t-1})) + noise`` (same sample);
     2. ``u`` (estimates ``grad_lam g``): the same with ``B3``, ``C3`` and ``B4``, ``k4 d_t``;
     3. ``s`` (STORM estimate of ``g``) from one record ``z``: ``s = clip_{C5}(g(w_t; z)) + (1 - beta)
-       (s - clip_{C5}(g(w_{t-1}; z))) + N(0, (z_s (2 - beta) C5)^2)``, starting from the public ``s0``
+       (s - clip_{C5}(g(w_{t-1}; z))) + N(0, (z_s (2 - beta) C5 / 2)^2)``, starting from the public ``s0``
        with ``w_{-1} = w_0``;
     4. with ``s' = max(s, s_floor)``: ``x <- x - lr (lam/s') v``,
        ``lam <- max(lam0, lam - lr_lam ((lam/s') u + log s' + rho))``.
 
-    Privacy (replace-one): every stream releases a mean of per-sample terms bounded by its radius (for
-    ``s``, the STORM term of one record lies in ``[-(1 - beta) C5, C5]``) with noise std ``z C / b``; radii
+    Privacy (replace-one): every stream releases a mean of per-sample terms bounded by its radius, with noise
+    std ``z C / b``. For ``s`` the released term of the one drawn record lies in ``[-(1 - beta) C5, C5]``
+    (both inner values are clipped into ``[0, C5]``; a record with a non-finite value contributes 0), so
+    replacing that record moves it by at most ``(2 - beta) C5``: the replace-one sensitivity, which is twice
+    dpvr's unit, so the unit is ``(2 - beta) C5 / 2`` and the noise std ``z_s (2 - beta) C5 / 2``. Radii
     depend on released iterates only; the five streams are composed in one accountant as the plan
     :class:`dpvr.privacy.events.RecursiveSpider` describes, behind the budget guard; pass ``noise`` or
     ``epsilon`` (joint calibration). Assumptions: batches as stated, ``x0``, ``lam0``, ``lam_init``, ``s0``,
@@ -342,7 +354,7 @@ class RecursiveSpider(_Spider):
         lam0: float,
         steps: int,
         epoch_size: int,
-        batch_sizes: Sequence[int],
+        batch_sizes: Mapping[str, int] | Sequence[int],
         lr: float,
         lr_lam: float,
         beta: float,
@@ -365,6 +377,7 @@ class RecursiveSpider(_Spider):
         sampler_seed: int | None = None,
         chunk_size: int | None = None,
         grad_mode: str = "auto",
+        nonfinite: str = "zero",
     ) -> None:
         for name, value in (("lam0", lam0), ("lr", lr), ("lr_lam", lr_lam), ("clip1", clip1),
                             ("clip2", clip2), ("clip3", clip3), ("clip4", clip4), ("clip5", clip5),
@@ -375,10 +388,10 @@ class RecursiveSpider(_Spider):
             raise ValueError(f"beta: must be in (0, 1], got {beta}")
         if not lam_init >= lam0:
             raise ValueError(f"lam_init: must be >= lam0 = {lam0}, got {lam_init}")
-        plan = events.RecursiveSpider(len(inputs), steps, epoch_size, tuple(batch_sizes), sampling)
+        plan = events.RecursiveSpider(len(inputs), steps, epoch_size, _batch_sizes(batch_sizes), sampling)
         super().__init__(
             model, loss_fn, inputs, targets, plan=plan, noise=noise, sampler_seed=sampler_seed,
-            grad_mode=grad_mode, chunk_size=chunk_size, delta=delta, epsilon=epsilon,
+            grad_mode=grad_mode, chunk_size=chunk_size, nonfinite=nonfinite, delta=delta, epsilon=epsilon,
             calibration=calibration, accountant=accountant, generator=generator,
         )
         self.rho, self.lam0, self.q = float(rho), float(lam0), int(epoch_size)
@@ -430,14 +443,17 @@ class RecursiveSpider(_Spider):
         # ---- s: STORM estimate of g on one record at w_t and w_{t-1} ----
         admitted = self._admit("s")
         record = self._draw("s")
-        now = inner_values(self._losses(x, record), lam, bound).clamp_max(self.clip5)
-        before = inner_values(self._losses(x_prev, record), lam_prev, bound).clamp_max(self.clip5)
-        self._s_term.copy_(now.sum() - (1 - self.beta) * before.sum())
+        pair = torch.stack([inner_values(self._losses(x, record), lam, bound),
+                            inner_values(self._losses(x_prev, record), lam_prev, bound)], dim=1)
+        pair, count = finite_records(pair, self.nonfinite, "Recursive-SPIDER's s stream")
+        dropped += count
+        now, before = pair.clamp(0.0, self.clip5).sum(dim=0)
+        self._s_term.copy_(now - (1 - self.beta) * before)
         self.s.mul_(1 - self.beta)
         ops.noisy_update(
             [self.s],
             sum=[self._s_term],
-            sigma=self.noise["s"] * (2 - self.beta) * self.clip5,
+            sigma=self.noise["s"] * (2 - self.beta) * self.clip5 / 2,  # the unit of events.RecursiveSpider
             generator=self.generator,
             stream="s",
         )
@@ -456,3 +472,8 @@ class RecursiveSpider(_Spider):
     def _buffers(self) -> dict[str, list[Tensor]]:
         return {"v": self._v, "u": [self._u], "s": [self.s], "prev": self._prev,
                 "lam": [self.lam, self._lam_prev]}
+
+
+def _batch_sizes(given: Mapping[str, int] | Sequence[int]) -> Mapping[str, int] | tuple[int, ...]:
+    """Per-stream batch sizes as the plan takes them: keyed by stream name, or in the paper's order."""
+    return dict(given) if isinstance(given, Mapping) else tuple(given)

@@ -71,15 +71,31 @@ def output_perturbation_multiplier(std: float, sensitivity: float, neighbouring:
     return std / sensitivity * (2.0 if check_neighbouring(neighbouring) == REPLACE_ONE else 1.0)
 
 
+class PaperSigmas(dict):
+    """Noise in a paper's own units, per stream: ``noise=PaperSigmas(restart=0.5, difference=1.0)``.
+
+    dpvr's algorithms take noise multipliers per stream in the accountant's convention; this marker is the
+    one explicit way to give the papers' sigmas instead (e.g. DIFF2's sigma on the averaged mean, a multiple
+    of the clip radius): the algorithm converts each with :meth:`Plan.noise_from_paper`.
+    """
+
+
 class Plan:
     """Base of the per-algorithm plans (see the module documentation)."""
 
     neighbouring: str
 
+    _all_streams: ClassVar[tuple[str, ...]] = ()
+
     @property
     def streams(self) -> tuple[str, ...]:
-        """Names of the noise streams, i.e. the keys ``noise`` must have."""
+        """Names of the noise streams with releases in this run, i.e. the keys ``noise`` must have."""
         return tuple(s.name for s in self._streams({}))
+
+    @property
+    def stream_names(self) -> tuple[str, ...]:
+        """Every stream the algorithm has, including those this run's schedule leaves without releases."""
+        return self._all_streams or self.streams
 
     def _streams(self, noise: Mapping[str, float]) -> list[Stream]:
         """The streams, with noise taken from ``noise`` (1.0 where absent, for discovering the layout)."""
@@ -106,6 +122,14 @@ class Plan:
         """The paper's noise parameter of ``stream`` (e.g. DIFF2's sigma, a multiple of the clip radius on the
         averaged mean) as a noise multiplier; ``stream`` may be omitted when there is only one."""
         return _checks.positive("sigma", sigma) * self._unit(self._stream_name(stream))
+
+    def noise_from_paper(self, sigmas: Mapping[str, float]) -> dict[str, float]:
+        """Noise multipliers per stream from the paper's sigmas (see :class:`PaperSigmas`)."""
+        unknown = sorted(set(sigmas) - set(self.stream_names))
+        if unknown:
+            raise ValueError(f"noise: {unknown} are not streams of this plan ({list(self.stream_names)})")
+        used = {name: sigma for name, sigma in sigmas.items() if name in self.streams}
+        return {name: self.noise_multiplier(sigma, name) for name, sigma in used.items()}
 
     def sigma(self, noise_multiplier: float, stream: str | None = None) -> float:
         """Inverse of :meth:`noise_multiplier`."""
@@ -208,6 +232,8 @@ class DIFF2(Plan):
     Guarantee: adaptive composition of these Gaussian releases (Lemma C.1, Lemma E.1 and Proposition 4.1 /
     E.2 of the paper), conditioned on released iterates.
     """
+
+    _all_streams: ClassVar = ("restart", "difference", "local")
 
     n: int
     clients: int
@@ -387,6 +413,8 @@ class PrivateDiff(Plan):
     Guarantee: adaptive composition of all three streams.
     """
 
+    _all_streams: ClassVar = ("checkpoint", "difference", "y")
+
     dataset_size: int
     batch_size: int
     rounds: int
@@ -461,35 +489,70 @@ class PrivateDiff(Plan):
         return {k: self.noise_multiplier(v, k) for k, v in sigma.items() if k in self.streams}
 
 
-def _spider_batches(name: str, batch_sizes: tuple[int, ...], expected: int, dataset_size: int) -> None:
-    if len(batch_sizes) != expected:
-        raise ValueError(f"{name} needs {expected} batch sizes, got {len(batch_sizes)}")
-    for i, b in enumerate(batch_sizes, 1):
-        _checks.count(f"batch_sizes[{i}]", b, minimum=1)
-        if b > dataset_size:
-            raise ValueError(f"batch_sizes[{i}] ({b}) exceeds dataset_size ({dataset_size})")
-
-
 @dataclass(frozen=True)
 class _Spider(Plan):
-    """Refresh-every-``q`` SPIDER estimators with one noise stream per estimator and per phase."""
+    """Refresh-every-``q`` SPIDER estimators with one noise stream per estimator and per phase.
+
+    ``batch_sizes`` maps each stream of the layout to its batch size; a sequence is read in the paper's order
+    (``N1..N4`` / ``b1..b4``) and stored keyed by stream name, so a stream with no releases (``q = 1`` has no
+    difference rounds) never shifts another stream's batch size.
+    """
 
     dataset_size: int
     steps: int
     epoch_size: int
-    batch_sizes: tuple[int, ...]
+    batch_sizes: Mapping[str, int] | tuple[int, ...]
     sampling: str = "wor"
     neighbouring: str = REPLACE_ONE
 
     _layout: ClassVar[tuple[tuple[str, str], ...]] = ()  # (stream, "refresh" | "difference" | "every")
+    _fixed_batches: ClassVar[Mapping[str, int]] = {}  # streams whose batch size the algorithm fixes
 
     def __post_init__(self) -> None:
         _checks.count("dataset_size", self.dataset_size, minimum=1)
         _checks.count("steps", self.steps)
         _checks.count("epoch_size", self.epoch_size, minimum=1)
-        object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
-        _spider_batches(type(self).__name__, self.batch_sizes, len(self._layout), self.dataset_size)
-        _check_relation(self.neighbouring, *(self._sampling(b) for b in self.batch_sizes))
+        object.__setattr__(self, "batch_sizes", self._keyed(self.batch_sizes))
+        _check_relation(self.neighbouring, *(self._sampling(b) for _, b in self.batch_sizes))
+
+    def _keyed(self, given: Mapping[str, int] | tuple[int, ...]) -> tuple[tuple[str, int], ...]:
+        names = [name for name, _ in self._layout if name not in self._fixed_batches]
+        plan = type(self).__name__
+        if isinstance(given, Mapping):
+            sizes = dict(given)
+        elif given and all(isinstance(item, tuple) for item in given):
+            sizes = dict(given)  # already keyed (a plan rebuilt from its own fields)
+        else:
+            given = tuple(given)
+            if len(given) != len(names):
+                raise ValueError(
+                    f"{plan} needs {len(names)} batch sizes ({', '.join(names)}), got {len(given)}"
+                )
+            sizes = dict(zip(names, given))
+        sizes = {k: v for k, v in sizes.items() if k not in self._fixed_batches}
+        if set(sizes) != set(names):
+            raise ValueError(f"{plan}: batch_sizes must name the streams {names}, got {sorted(sizes)}")
+        for name in names:
+            _checks.count(f"batch size of stream {name!r}", sizes[name], minimum=1)
+            if sizes[name] > self.dataset_size:
+                raise ValueError(
+                    f"batch size of stream {name!r} ({sizes[name]}) exceeds dataset_size "
+                    f"({self.dataset_size})"
+                )
+        sizes.update(self._fixed_batches)
+        return tuple((name, int(sizes[name])) for name, _ in self._layout)
+
+    @property
+    def stream_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self._layout)
+
+    def batch_size(self, stream: str) -> int:
+        """The batch size every release of ``stream`` draws."""
+        return dict(self.batch_sizes)[stream]
+
+    def stream_sampling(self, stream: str) -> Sampling:
+        """How every release of ``stream`` draws its records (the whole dataset is a full batch)."""
+        return self._sampling(self.batch_size(stream))
 
     def _sampling(self, batch: int) -> Sampling:
         if batch == self.dataset_size:
@@ -500,14 +563,12 @@ class _Spider(Plan):
         refreshes = _ceil_div(self.steps, self.epoch_size)
         counts = {"refresh": refreshes, "difference": self.steps - refreshes, "every": self.steps}
         streams = []
-        for (name, phase), batch in zip(self._layout, self.batch_sizes):
-            streams += _stream(noise, name, counts[phase], self._sampling(batch))
+        for name, phase in self._layout:
+            streams += _stream(noise, name, counts[phase], self.stream_sampling(name))
         return streams
 
     def _assumptions(self):
-        batches = ", ".join(
-            f"{name}: {self._sampling(b).describe()}" for (name, _), b in zip(self._layout, self.batch_sizes)
-        )
+        batches = ", ".join(f"{name}: {self.stream_sampling(name).describe()}" for name, _ in self._layout)
         return (
             _PER_SAMPLE,
             _SAME_SAMPLE,
@@ -543,8 +604,14 @@ class RecursiveSpider(_Spider):
 
     ``"v-refresh"``/``"v-difference"`` (the x-gradient of the inner function, batches ``b1``/``b2``),
     ``"u-refresh"``/``"u-difference"`` (its lambda-gradient, ``b3``/``b4``) and ``"s"`` (the STORM estimate of
-    the inner function value from one record per step). For ``"s"`` the noise multiplier is relative to the
-    bound on one record's STORM term, ``(2 - beta) C5`` for ``Clip(g(w_t)) - (1 - beta) Clip(g(w_{t-1}))``.
+    the inner function value from one record per step).
+
+    For ``"s"`` the released value is one record's STORM term ``Clip(g(w_t)) - (1 - beta) Clip(g(w_{t-1}))``
+    with ``0 <= Clip(g) <= C5``: it lies in ``[-(1 - beta) C5, C5]``, so replacing the record moves it by at
+    most the range ``(2 - beta) C5``. In dpvr's convention (the replace-one accountant charges twice the
+    unit) the unit is half of that, ``(2 - beta) C5 / 2``: noise std ``z (2 - beta) C5 / 2``. Under
+    add/remove (a plan for accounting only: the algorithm is replace-one) adding a record moves the sum by
+    its term, at most ``C5`` in absolute value, which is then the unit.
 
     Guarantee: composition of all five streams' sampled Gaussian releases in one accountant.
     """
@@ -556,13 +623,7 @@ class RecursiveSpider(_Spider):
         ("u-difference", "difference"),
         ("s", "every"),
     )
-
-    def __post_init__(self) -> None:
-        given = len(tuple(self.batch_sizes))
-        if given != 4:
-            raise ValueError(f"RecursiveSpider needs 4 batch sizes (b1..b4), got {given}")
-        object.__setattr__(self, "batch_sizes", (*self.batch_sizes, 1))  # "s" reads one record per step
-        super().__post_init__()
+    _fixed_batches: ClassVar = {"s": 1}
 
 
 _PHASED = {  # setting -> (streams, budget share of each release, share of delta per release)

@@ -59,6 +59,8 @@ contiguous and of near-equal size; the ``log n`` of the paper's choice of ``mu``
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -69,7 +71,10 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ...ops import NoiseGenerator, add_noise
-from ...privacy import Accountant, Phased, output_perturbation_multiplier
+from ...privacy import Accountant, Phased, account, output_perturbation_multiplier
+from ...privacy.mechanism import noise_dict
+from ..base import _canonical
+from ..gradients import check_nonfinite
 from .problem import (
     BaseSolver,
     CertificateError,
@@ -83,7 +88,7 @@ from .solvers import KatyushaSolver, VRExtragradientSolver
 SETTINGS = ("sc", "c", "sc-sc", "c-c", "c-sc")
 GAUSSIAN = ("analytic", "classic", "paper", "tight")
 _STREAMS = ("x", "y")
-_FORMAT = "dpvr.optim.PhasedOutputPerturbation/1"
+_FORMAT = "dpvr.optim.PhasedOutputPerturbation/2"
 
 
 @dataclass(frozen=True)
@@ -264,6 +269,21 @@ class PhasedOutputPerturbation:
         verify: recompute the certificate at the returned point (:meth:`PhaseProblem.certify`, one pass
             over the chunk) and require it too to meet the target, so that privacy does not rest on the
             solver's own certificate code. The built-in solvers' certificate is that same computation.
+        noise: the noise multiplier of each released stream (``{"x": z}``, ``{"x": z_x, "y": z_y}``, or one
+            number), in the accountant's convention: noise std ``z Delta / 2`` on a release of replace-one
+            sensitivity ``Delta``. Default: calibrated from ``(epsilon, delta)`` by ``gaussian``. Noise that
+            would spend more than ``epsilon`` is refused.
+        nonfinite: ``"zero"`` (default): a record whose per-sample operator is not finite contributes a
+            zero operator (the record's loss taken as a constant, which is 0-Lipschitz and convex, so the
+            stability bound holds as long as the declared moduli hold with that record's loss constant);
+            ``"raise"``: :class:`dpvr.ops.NonFiniteError` (which reveals such a record exists).
+
+    Resuming is bound to the run: :meth:`load_state_dict` refuses a state written with other settings
+    (every argument above but ``solver``, ``accountant`` and ``generator``: the released point's
+    sensitivity rests on the certificate, not on which solver reached it, so a run whose solver failed may
+    resume with another), and :meth:`run` refuses a problem other than
+    the one the state was written for. Noise keys are derived from the settings and from the point each
+    release perturbs, so no two releases of different points share a noise draw.
     """
 
     def __init__(
@@ -284,6 +304,8 @@ class PhasedOutputPerturbation:
         x0: ArrayLike | None = None,
         y0: ArrayLike | None = None,
         verify: bool = True,
+        noise: Mapping[str, float] | float | None = None,
+        nonfinite: str = "zero",
     ) -> None:
         if setting not in SETTINGS:
             raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
@@ -308,7 +330,19 @@ class PhasedOutputPerturbation:
         self.epsilon = _positive("epsilon", epsilon)
         self.delta = float(delta)
         self.tolerance = _positive("tolerance", tolerance)
-        self.ratio = release_ratio(setting, epsilon, delta, gaussian)  # validates delta and gaussian
+        ratio = release_ratio(setting, epsilon, delta, gaussian)  # validates delta and gaussian
+        self._plan = Phased(setting)
+        if noise is None:
+            self.ratios = dict.fromkeys(self._plan.streams, ratio)
+        else:
+            multipliers = noise_dict(self._plan.streams, noise)
+            spent = account(self._plan(multipliers), delta, accountant="pld").epsilon
+            if spent > self.epsilon * (1 + 1e-9):
+                raise ValueError(
+                    f"noise: {multipliers} spends epsilon={spent:.4g} > the budget {self.epsilon:g}"
+                )
+            self.ratios = {name: z / 2 for name, z in multipliers.items()}  # sigma/Delta, replace-one unit
+        self.nonfinite = check_nonfinite(nonfinite)
         self.gaussian = gaussian
         self.solver = solver
         self.mu, self.radius, self.phases = _positive("mu", mu), _positive("radius", radius), phases
@@ -317,10 +351,19 @@ class PhasedOutputPerturbation:
         self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._x0, self._y0 = x0, y0
         self.verify = bool(verify)
-        self._plan = Phased(setting)
         self._records: list[PhaseRecord] = []
         self._points: dict[int, list[list[float]]] = {}  # run -> its current (x, y) after the last phase
         self._noise: dict[str, float] = {}
+        self._problem_fingerprint: str | None = None  # of the problem a loaded state was written for
+        self._binding = {
+            k: _canonical(v)
+            for k, v in dict(
+                setting=setting, epsilon=epsilon, delta=delta, mu=mu, radius=radius,
+                phases=phases, tolerance=tolerance, gaussian=gaussian, x0=x0, y0=y0, verify=verify,
+                ratios=self.ratios, nonfinite=nonfinite,
+            ).items()
+        }  # fmt: skip
+        self.generator.bind(hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode()).digest())
 
     # -- the phase loop ----------------------------------------------------------------------------------
 
@@ -333,6 +376,13 @@ class PhasedOutputPerturbation:
         """
         check_problem(problem)
         self._check_setting(problem)
+        fingerprint = json.dumps(_canonical(problem), sort_keys=True)
+        if self._problem_fingerprint not in (None, fingerprint):
+            raise ValueError(
+                "problem: the loaded state was written for another problem (other data or constants); "
+                "resuming on this one could release what that run released under other conditions"
+            )
+        self._problem_fingerprint = fingerprint
         n, dims = int(problem.n), (int(problem.dim_x), int(problem.dim_y))
         start = [
             self._start(problem.domain_x, self._x0, dims[0], "x0"),
@@ -393,6 +443,7 @@ class PhasedOutputPerturbation:
             centre,
             self.tolerance * exact,
             np.random.default_rng([self.seed, index, k]),
+            nonfinite=self.nonfinite,
         )
         result = solver.solve(phase, centre.copy())
         point = np.asarray(result.point, dtype=np.float64)
@@ -419,7 +470,7 @@ class PhasedOutputPerturbation:
         for b in spec.released:
             name, block = _STREAMS[b], phase.blocks[b]
             sensitivity[name] = (1 + 2 * self.tolerance) * exact / math.sqrt(phase.moduli[b])
-            sigma[name] = self.ratio * sensitivity[name]
+            sigma[name] = self.ratios[name] * sensitivity[name]
             noisy = point[block].copy()  # never add noise into the solver's own array
             add_noise(noisy, sigma[name], generator=self.generator, stream=f"phased/{name}")
             points[b] = (problem.domain_x, problem.domain_y)[b].project(noisy)
@@ -516,6 +567,8 @@ class PhasedOutputPerturbation:
         return {
             "format": _FORMAT,
             "setting": self.setting,
+            "binding": self._binding,
+            "problem": self._problem_fingerprint,
             "seed": self.seed,
             "records": [asdict(r) for r in self._records],
             "points": {str(k): v for k, v in self._points.items()},
@@ -530,6 +583,13 @@ class PhasedOutputPerturbation:
             raise ValueError(f"state is not a {_FORMAT} state dict (format={state.get('format')!r})")
         if state["setting"] != self.setting:
             raise ValueError(f"state is for setting {state['setting']!r}, this run is {self.setting!r}")
+        differ = sorted(k for k in self._binding if state["binding"].get(k) != self._binding[k])
+        if differ:
+            raise ValueError(
+                f"state: written by a run with other settings ({', '.join(differ)}); resuming it here could "
+                "release what that run already released under other conditions"
+            )
+        self._problem_fingerprint = state["problem"]
         self.seed = int(state["seed"])
         self._records = [
             PhaseRecord(
@@ -541,6 +601,7 @@ class PhasedOutputPerturbation:
         self._noise = dict(state["noise_multipliers"])
         self.accountant.load_state_dict(state["accountant"])
         self.generator.load_state_dict(state["generator"])
+        self.generator.bind(hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode()).digest())
 
 
 __all__ = [

@@ -30,6 +30,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from ...ops import NonFiniteError
+
 # A point on a ball's boundary comes out of the projection with a norm within a few ulps of the radius.
 _BOUNDARY_RTOL = 1e-12
 # The certificate can be tight (isotropic problems attain it), so rounding in the residual could leave it a
@@ -216,8 +218,10 @@ class PhaseProblem:
         centre: np.ndarray,
         target: float,
         rng: np.random.Generator,
+        nonfinite: str = "zero",
     ) -> None:
         self._problem = problem
+        self.nonfinite = nonfinite
         self.rows = np.asarray(rows, dtype=np.int64)
         self.rows.setflags(write=False)
         self.m = int(self.rows.size)
@@ -251,12 +255,21 @@ class PhaseProblem:
         """Mean data operator over the chunk positions ``batch`` (indices into ``rows``)."""
         batch = np.asarray(batch)
         self.grad_evals += int(batch.size)
-        return self._problem.sample_operator(z, self.rows[batch]).mean(axis=0)
+        return self._finite(self._problem.sample_operator(z, self.rows[batch])).mean(axis=0)
 
     def full_operator(self, z: np.ndarray) -> np.ndarray:
         """Mean data operator over the whole chunk (``m`` gradient evaluations)."""
         self.grad_evals += self.m
-        return self._problem.sample_operator(z, self.rows).mean(axis=0)
+        return self._finite(self._problem.sample_operator(z, self.rows)).mean(axis=0)
+
+    def _finite(self, operators: np.ndarray) -> np.ndarray:
+        """Per-sample operators under the non-finite policy: a non-finite row is zero, or an error."""
+        bad = ~np.isfinite(operators).all(axis=1)
+        if bad.any():
+            if self.nonfinite == "raise":
+                raise NonFiniteError(f"phased solver: {int(bad.sum())} record(s) have non-finite gradients")
+            operators = np.where(bad[:, None], 0.0, operators)
+        return operators
 
     def public_operator(self, z: np.ndarray) -> np.ndarray:
         """Operator of the public part ``P`` (no data, not counted)."""
