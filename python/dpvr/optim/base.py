@@ -148,7 +148,7 @@ class PrivateAlgorithm:
         """The private data (tensors, hashed for the binding), or a fingerprint of it."""
         return []
 
-    def binding(self) -> dict[str, Any]:
+    def binding(self, *, data: bool = True) -> dict[str, Any]:
         """Every setting that shapes what this run releases, as a flat dictionary of canonical values.
 
         A state is loaded only into an algorithm with an equal binding; the generator's noise keys are
@@ -162,13 +162,14 @@ class PrivateAlgorithm:
             bound[f"setting.{name}"] = _canonical(value)
         for name, p in zip(self.param_names, self.params):
             bound[f"parameter.{name}"] = f"{tuple(p.shape)} {p.dtype}"
-        data = self._data()
-        bound["data"] = data if isinstance(data, str) else data_fingerprint(data)
+        if data:
+            private = self._data()
+            bound["data"] = private if isinstance(private, str) else data_fingerprint(private)
         return bound
 
     def _bind_noise(self) -> None:
         """Derive the generator's keys from this run's binding (call once the subclass is built)."""
-        settings = {k: v for k, v in self.binding().items() if k != "data"}
+        settings = self.binding(data=False)
         self._noise_context = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
         self.generator.bind(self._noise_context)
 
