@@ -11,9 +11,10 @@ import torch
 
 import dpvr
 from dpvr import PaperSigmas
-from dpvr.distributed import CHECKPOINT_FORMAT, ClientPool, DistributedError, launch
+from dpvr.distributed import ClientPool, DistributedError, launch
 from dpvr.ops import torch_threads
 from dpvr.optim import DIFF2
+from dpvr.optim.base import read_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 
@@ -112,8 +113,7 @@ def test_a_failing_client_ends_the_run_on_every_rank(shards, tmp_path, how):
         assert caught.value.ranks[rank] == message
     # No checkpoint for the failed round: the last complete one, intact, and no temporary file.
     assert sorted(os.listdir(tmp_path)) == ["run.ckpt"]
-    state = torch.load(path, weights_only=False)
-    assert state["format"] == CHECKPOINT_FORMAT and state["state"]["steps_done"] == failed - 1
+    assert read_checkpoint(path)["steps_done"] == failed - 1
 
 
 @pytest.mark.parametrize("options", [GD, BVR], ids=["gd", "bvr-l-sgd"])
@@ -131,13 +131,13 @@ def test_resume_from_a_checkpoint_continues_the_same_run(shards, tmp_path, optio
     for a, b in zip(rest.result.iterates, iterates[3:]):
         assert torch.equal(a, b)
     assert rest.result.epsilon == alg.privacy_spent().epsilon
-    assert torch.load(path, weights_only=False)["state"]["steps_done"] == 8
+    assert read_checkpoint(path)["steps_done"] == 8
 
 
 def test_checkpoint_of_other_clients_is_refused(shards, tmp_path):
     path = tmp_path / "run.ckpt"
     launch(model_fn(), loss, shards, generator=gen(), checkpoint=path, steps=2, **GD)
-    with pytest.raises(ValueError, match="written for clients of sizes"):
+    with pytest.raises(ValueError, match=r"plan\.clients"):
         launch(model_fn(), loss, shards[:2], generator=gen(), checkpoint=path, resume=True, **GD)
 
 
@@ -201,4 +201,4 @@ def test_torchrun_runs_the_demo_problem_to_its_budget(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert re.search(r"rounds 4, epsilon 3 at delta 1e-05", done.stdout), done.stdout
-    assert torch.load(tmp_path / "run.ckpt", weights_only=False)["state"]["steps_done"] == 4
+    assert read_checkpoint(tmp_path / "run.ckpt")["steps_done"] == 4

@@ -132,22 +132,19 @@ def test_noise_keys_bind_the_inputs_of_a_release():
 
 
 def test_distributed_aggregator_resume_refuses_other_settings(tmp_path):
-    from dpvr.distributed.driver import load_checkpoint
-
     x, y = data(n=8)
     shards = [(x[:4], y[:4]), (x[4:], y[4:])]
     noise = {"restart": 5.0, "difference": 5.0}
     options = dict(lr=0.2, rounds=3, restart=2, clip1=1.0, clip2=1.0, noise=noise)
     alg = DIFF2(linear(), logistic, shards, generator=gen(), **options)
     alg.step()
-    from dpvr.distributed.driver import save_checkpoint
-
     path = tmp_path / "aggregator.ckpt"
-    save_checkpoint(path, alg)
+    alg.save_checkpoint(path)
+    other = DIFF2(linear(), logistic, shards, generator=gen(), **{**options, "clip2": 2.0})
     with pytest.raises(ValueError, match=r"setting\.clip2"):
-        load_checkpoint(path, DIFF2(linear(), logistic, shards, generator=gen(), **{**options, "clip2": 2.0}))
+        other.load_checkpoint(path)
     resumed = DIFF2(linear(), logistic, shards, generator=gen(), **options)
-    load_checkpoint(path, resumed)
+    resumed.load_checkpoint(path)
     assert resumed.steps_done == 1
 
 

@@ -48,14 +48,11 @@ for your own problem.
 """
 
 from .driver import (
-    CHECKPOINT_FORMAT,
     AggregatorResult,
     RemoteClients,
     Traffic,
     aggregate,
-    load_checkpoint,
     run_rounds,
-    save_checkpoint,
     serve,
     serve_runs,
 )
@@ -64,7 +61,6 @@ from .launch import LaunchResult, launch
 from .pool import ClientPool
 
 __all__ = [
-    "CHECKPOINT_FORMAT",
     "AggregatorResult",
     "ClientPool",
     "DistributedError",
@@ -76,9 +72,7 @@ __all__ = [
     "init_group",
     "join_group",
     "launch",
-    "load_checkpoint",
     "run_rounds",
-    "save_checkpoint",
     "serve",
     "serve_runs",
 ]

@@ -1,4 +1,4 @@
-"""DIFF2 over a process group: the aggregator's transport, the client loop, atomic checkpoints.
+"""DIFF2 over a process group: the aggregator's transport, the client loop, checkpointed rounds.
 
 The aggregator runs :class:`dpvr.optim.DIFF2` unchanged, with :class:`RemoteClients` as its client
 transport; each client runs :func:`serve`, which answers every request with
@@ -28,7 +28,6 @@ import contextlib
 import io
 import os
 import re
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -48,8 +47,6 @@ from .group import AGGREGATOR, DistributedError, Group, seconds
 ROUND, LOCAL, STOP, ABORT, RUN, CLOSE = 1, 2, 3, 4, 5, 6
 HEADER = 7
 OK, FAILED = 0, 1
-CHECKPOINT_FORMAT = 1
-CHECKPOINT_KIND = "dpvr.distributed.DIFF2"
 
 
 @dataclass
@@ -373,55 +370,6 @@ def _stop(group: Group, fallback: str) -> NoReturn:
     raise DistributedError(reason)
 
 
-# ---- checkpoints --------------------------------------------------------------------------------------
-
-
-def save_checkpoint(path: str | os.PathLike[str], alg: DIFF2) -> None:
-    """Writes ``alg``'s state atomically: a temporary file in the same directory, fsync, rename.
-
-    A reader sees the previous checkpoint or this one, never a partial file. The state holds the noise
-    seed: keep checkpoints as confidential as the training data.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    document = {
-        "format": CHECKPOINT_FORMAT,
-        "kind": CHECKPOINT_KIND,
-        "clients": list(alg.transport.sizes),
-        "state": alg.state_dict(),
-    }
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(document, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
-
-
-def load_checkpoint(path: str | os.PathLike[str], alg: DIFF2) -> None:
-    """Restores a :func:`save_checkpoint` file into ``alg`` after checking its format and clients."""
-    document = torch.load(os.fspath(path), map_location="cpu", weights_only=False)
-    if not isinstance(document, dict) or document.get("kind") != CHECKPOINT_KIND:
-        raise ValueError(f"{path}: not a distributed DIFF2 checkpoint")
-    if document.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: checkpoint format {document.get('format')}, expected {CHECKPOINT_FORMAT}")
-    if document["clients"] != list(alg.transport.sizes):
-        raise ValueError(
-            f"{path}: written for clients of sizes {document['clients']}, not {alg.transport.sizes}"
-        )
-    alg.load_state_dict(document["state"])
-
-
 # ---- the aggregator's loop ----------------------------------------------------------------------------
 
 
@@ -484,7 +432,7 @@ def run_rounds(
         raise ValueError(f"checkpoint_every: must be >= 1, got {checkpoint_every}")
     alg = DIFF2(model, loss_fn, clients, **options)
     if resume and checkpoint is not None and os.path.exists(checkpoint):
-        load_checkpoint(checkpoint, alg)
+        alg.load_checkpoint(checkpoint)
     todo = alg.total_steps - alg.steps_done if steps is None else min(steps, alg.total_steps - alg.steps_done)
     history, round_ms, iterates = [], [], []
     for i in range(todo):
@@ -494,7 +442,7 @@ def run_rounds(
         if keep_iterates:
             iterates.append(torch.cat([f.clone() for f in alg.flat]))
         if checkpoint is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == todo):
-            save_checkpoint(checkpoint, alg)
+            alg.save_checkpoint(checkpoint)
     spent = alg.privacy_spent()
     return AggregatorResult(
         history=history,

@@ -296,9 +296,10 @@ class PrivateAlgorithm:
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Writes :meth:`state_dict` to ``path`` atomically (a temporary file in the same directory, flushed
-        to disk, then renamed over ``path``), so a crash leaves the old checkpoint or the new one, never a
-        mixture. The file is a magic line, a JSON header (format version, payload length, SHA-256 of the
-        payload) and the payload. Like the state, it holds the noise seed: protect it like the data.
+        to disk, renamed over ``path``, the directory flushed), so a crash leaves the old checkpoint or the
+        new one, never a mixture. The file is a magic line, a JSON header (format version, payload length,
+        SHA-256 of the payload) and the payload. Like the state, it holds the noise seed: protect it like
+        the data.
         """
         buffer = io.BytesIO()
         torch.save(self.state_dict(), buffer)
@@ -310,7 +311,9 @@ class PrivateAlgorithm:
             "sha256": hashlib.sha256(payload).hexdigest(),
         }
         path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(CHECKPOINT_MAGIC + json.dumps(header).encode() + b"\n" + payload)
@@ -320,37 +323,50 @@ class PrivateAlgorithm:
         except BaseException:
             os.unlink(tmp)
             raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a crash
+        finally:
+            os.close(dir_fd)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restores a :meth:`save_checkpoint` file; refuses (``ValueError``) a file that is truncated,
-        altered, of another format version or of another algorithm, before changing anything."""
-        with open(path, "rb") as f:
-            data = f.read()
-        if not data.startswith(CHECKPOINT_MAGIC):
-            raise ValueError(f"checkpoint {os.fspath(path)!r}: not a dpvr checkpoint (bad magic)")
-        head, sep, payload = data[len(CHECKPOINT_MAGIC) :].partition(b"\n")
-        try:
-            header = json.loads(head) if sep else None
-            version, length, digest = header["version"], int(header["length"]), str(header["sha256"])
-        except (ValueError, TypeError, KeyError):
-            raise ValueError(f"checkpoint {os.fspath(path)!r}: unreadable header (truncated?)") from None
-        if version != CHECKPOINT_VERSION:
+        altered, of another format version, of another algorithm or of a run with other settings
+        (:meth:`load_state_dict`), before changing anything."""
+        state = read_checkpoint(path)
+        if state.get("algorithm") != self.name:
             raise ValueError(
-                f"checkpoint {os.fspath(path)!r}: format version {version!r}, this dpvr reads "
-                f"{CHECKPOINT_VERSION}"
+                f"checkpoint {os.fspath(path)!r}: written by {state.get('algorithm')!r}, not {self.name}"
             )
-        if len(payload) != length:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r}: truncated or padded ({len(payload)} payload bytes, "
-                f"header says {length})"
-            )
-        if hashlib.sha256(payload).hexdigest() != digest:
-            raise ValueError(f"checkpoint {os.fspath(path)!r}: checksum mismatch (the file was altered)")
-        if header.get("algorithm") != self.name:
-            raise ValueError(
-                f"checkpoint {os.fspath(path)!r}: written by {header.get('algorithm')!r}, not {self.name}"
-            )
-        self.load_state_dict(torch.load(io.BytesIO(payload), weights_only=True))
+        self.load_state_dict(state)
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The state a :meth:`PrivateAlgorithm.save_checkpoint` file holds, after checking its magic line,
+    format version, length and SHA-256; only tensors and plain containers are unpickled."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(CHECKPOINT_MAGIC):
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: not a dpvr checkpoint (bad magic)")
+    head, sep, payload = data[len(CHECKPOINT_MAGIC) :].partition(b"\n")
+    try:
+        header = json.loads(head) if sep else None
+        version, length, digest = header["version"], int(header["length"]), str(header["sha256"])
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: unreadable header (truncated?)") from None
+    if version != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r}: format version {version!r}, this dpvr reads "
+            f"{CHECKPOINT_VERSION}"
+        )
+    if len(payload) != length:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r}: truncated or padded ({len(payload)} payload bytes, "
+            f"header says {length})"
+        )
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: checksum mismatch (the file was altered)")
+    return torch.load(io.BytesIO(payload), weights_only=True)
 
 
 def _recording_arguments(init: Callable[..., None]) -> Callable[..., None]:
