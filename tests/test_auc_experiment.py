@@ -1,5 +1,6 @@
 """``dpvr experiment auc``: a tiny run through the command line writes the documented result shape."""
 
+import csv
 import json
 
 from dpvr.cli import main
@@ -8,14 +9,24 @@ from dpvr.cli import main
 def test_auc_experiment_runs_and_records_the_spent_epsilon(tmp_path, capsys):
     argv = ["experiment", "auc", "--quick", "--seeds", "1", "--epochs", "1", "--epsilon", "2"]
     assert main([*argv, "--dataset", "digits-imbalanced", "--out", str(tmp_path)]) == 0
-    assert "PrivateDiff" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "PrivateDiff" in printed and "train AUC (diagnostic, not private)" in printed
     doc = json.loads((tmp_path / "auc.json").read_text())
     methods = {r["method"] for r in doc["records"]}
     assert methods == {"non-private", "DP-SGDA", "PrivateDiff"}
+    assert "declared range [0, 16]" in doc["config"]["preprocessing"]
     for record in doc["records"]:
         assert record["dataset"] == "digits-imbalanced"
-        assert {"test_auc", "train_auc", "grad_norm"} <= set(record["metrics"])
+        metrics = record["metrics"]
+        assert {"test_auc", "lr", "lr_y"} <= set(metrics) and set(metrics["curves"]) == {"test_auc"}
+        assert not {"train_auc", "grad_norm"} & set(metrics)
+        diagnostics = metrics["diagnostics"]
+        assert diagnostics["private"] is False and {"train_auc", "grad_norm"} <= set(diagnostics)
+        assert set(diagnostics["curves"]) == {"train_auc", "grad_norm"}
         if record["method"] != "non-private":
             assert 0 < record["spent_epsilon"] <= 2.0 * (1 + 1e-6)
             assert record["delta"] < 1e-2
     assert (tmp_path / "auc_digits-imbalanced_eps2.png").exists()
+    with open(tmp_path / "auc.csv") as f:
+        header = next(csv.reader(f))
+    assert {"test_auc", "diagnostics.private", "diagnostics.train_auc", "diagnostics.grad_norm"} <= {*header}

@@ -7,7 +7,10 @@ import pytest
 
 from dpvr.data import (
     DATASET_NAMES,
+    DIGITS_RANGE,
     Dataset,
+    DeclaredRange,
+    PublicScaling,
     Standardizer,
     TargetScaler,
     binarize,
@@ -15,8 +18,10 @@ from dpvr.data import (
     long_tail,
     split_classes,
     split_clients,
+    split_public,
     subsample_to_ratio,
     train_test_split,
+    unit_norm,
 )
 
 
@@ -87,7 +92,7 @@ def test_train_test_split_is_a_seeded_partition() -> None:
         train_test_split(data.subset([0, 1]), test_fraction=0.1, seed=0)
 
 
-def test_standardizer_fits_on_train_only() -> None:
+def test_standardizer_fits_on_the_data_it_is_given_only() -> None:
     train, test = train_test_split(load("digits"), seed=0)
     standardize = Standardizer.fit(train)
     train_z, test_z = standardize(train), standardize(test)
@@ -106,12 +111,76 @@ def test_target_scaler() -> None:
     train, test = train_test_split(load("diabetes"), seed=0)
     scaler = TargetScaler.fit(train)
     assert np.abs(scaler(train).targets).max() == 1.0
-    whole = TargetScaler.fit(train, test)  # the DIFF2 experiments' "whole dataset" variant
-    assert whole.scale == np.abs(load("diabetes").targets).max()
+    assert TargetScaler.fit(train, test).scale == np.abs(load("diabetes").targets).max()
     with pytest.raises(ValueError, match="applies to regression"):
         TargetScaler.fit(load("wine"))
     with pytest.raises(ValueError, match="positive finite"):
         TargetScaler(0.0)
+
+
+def test_split_public_holds_out_a_value_independent_share() -> None:
+    data = load("diabetes")
+    public, rest = split_public(data, seed=0)
+    assert (len(public), len(rest)) == (44, 398)
+    assert sorted(map(tuple, np.concatenate([public.features, rest.features]))) == sorted(
+        map(tuple, data.features))
+    changed = data.subset(np.arange(len(data)))
+    changed.features[:] = changed.features * 2 + 1  # other values, same records by position
+    public_changed, _ = split_public(changed, seed=0)
+    np.testing.assert_array_equal(public_changed.features, public.features * 2 + 1)
+
+
+def _one_record_changed(data: Dataset, index: int) -> Dataset:
+    changed = data.subset(np.arange(len(data)))
+    changed.features[index] += 100.0
+    if data.task == "regression":
+        changed.targets[index] += 100.0
+    return changed
+
+
+def _rows(data: Dataset) -> np.ndarray:
+    return np.column_stack([data.features, data.targets])
+
+
+@pytest.mark.parametrize("name", ["diabetes", "breast_cancer"])
+def test_public_scaling_moves_only_the_changed_private_record(name: str) -> None:
+    public, private = split_public(load(name), seed=0)
+    changed = _one_record_changed(private, 3)
+    scale = PublicScaling.fit(public)
+    differs = np.any(_rows(scale(private)) != _rows(scale(changed)), axis=1)
+    assert np.flatnonzero(differs).tolist() == [3]
+    # What it replaces: fitted on the private records, the statistics move every record.
+    on_private = PublicScaling.fit(private)(private)
+    assert np.any(_rows(on_private) != _rows(PublicScaling.fit(changed)(changed)), axis=1).all()
+
+
+def test_public_scaling_standardises_and_scales_regression_targets() -> None:
+    public, private = split_public(load("diabetes"), seed=1)
+    scaled = PublicScaling.fit(public)(public)
+    np.testing.assert_allclose(scaled.features.mean(axis=0), 0, atol=1e-12)
+    assert np.abs(scaled.targets).max() == 1.0
+    assert PublicScaling.fit(split_public(load("wine"), seed=0)[0]).targets is None
+    assert "public split: 10% of the records" in PublicScaling.description()
+
+
+def test_declared_range_and_unit_norm_are_per_record() -> None:
+    digits = load("digits")
+    mapped = DIGITS_RANGE(digits)
+    np.testing.assert_array_equal(mapped.features, digits.features / 16.0)
+    assert mapped.features.min() == 0.0 and mapped.features.max() == 1.0
+    np.testing.assert_allclose(DeclaredRange(-1.0, 3.0)(digits).features, (digits.features + 1) / 4)
+    assert DIGITS_RANGE.description == "features mapped from their declared range [0, 16] onto [0, 1]"
+    with pytest.raises(ValueError, match="finite low < high"):
+        DeclaredRange(1.0, 1.0)
+    wine = load("wine")
+    normed = unit_norm(wine)
+    np.testing.assert_allclose(np.linalg.norm(normed.features, axis=1), 1.0)
+    for transform in (DIGITS_RANGE, unit_norm):
+        data = digits if transform is DIGITS_RANGE else wine
+        differs = np.any(transform(data).features != transform(_one_record_changed(data, 5)).features, axis=1)
+        assert np.flatnonzero(differs).tolist() == [5]
+    zero = Dataset(np.zeros((2, 3)), np.zeros(2), "regression", "zeros")
+    assert np.all(unit_norm(zero).features == 0)
 
 
 def test_split_clients_equal_disjoint_shards() -> None:

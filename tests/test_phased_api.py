@@ -187,8 +187,9 @@ def test_experiment_runs_on_a_small_grid(tmp_path, monkeypatch):
                                            "DP-SGDA"}
     by_run = {}
     for r in records:
-        assert r.metrics["grad_evals"] > 0 and math.isfinite(r.metrics.get("excess_risk", r.metrics.get(
-            "duality_gap")))
+        diagnostics = r.metrics["diagnostics"]
+        assert diagnostics["private"] is False and diagnostics["grad_evals"] > 0
+        assert math.isfinite(diagnostics.get("excess_risk", diagnostics.get("duality_gap")))
         by_run.setdefault((r.dataset, r.metrics["n"]), []).append(r.spent_epsilon)
     for spent in by_run.values():  # equal spent epsilon across the methods of one problem
         assert max(spent) == pytest.approx(min(spent), rel=1e-4)

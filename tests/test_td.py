@@ -81,7 +81,9 @@ def test_td_experiment_runs(tmp_path, capsys):
     assert "DP-TD" in capsys.readouterr().out
     doc = json.loads((tmp_path / "td.json").read_text())
     assert {r["method"] for r in doc["records"]} == {"DP-SGDA", "PrivateDiff", "DP-TD"}
+    assert "no statistic of the data is fitted" in doc["config"]["preprocessing"]
     for record in doc["records"]:
         assert 0 < record["spent_epsilon"] <= 4.0 * (1 + 1e-6)
         assert len(record["metrics"]["curves"]["mspbe"]) == 2
+        assert "diagnostics" not in record["metrics"]  # the MSPBE is measured on held-out transitions
     assert (tmp_path / "td_cartpole.png").exists()

@@ -20,7 +20,10 @@ def test_transfer_experiment_runs(tmp_path, capsys):
     assert "PrivateDiff" in capsys.readouterr().out
     doc = json.loads((tmp_path / "transfer.json").read_text())
     assert {r["method"] for r in doc["records"]} == {"non-private", "DP-SGDA", "PrivateDiff"}
+    assert "declared range [0, 16]" in doc["config"]["preprocessing"]
     for record in doc["records"]:
-        assert {"test_auc", "train_auc", "grad_norm"} <= set(record["metrics"])
+        assert "test_auc" in record["metrics"] and not {"train_auc", "grad_norm"} & set(record["metrics"])
+        diagnostics = record["metrics"]["diagnostics"]
+        assert diagnostics["private"] is False and {"train_auc", "grad_norm"} <= set(diagnostics)
         if record["method"] != "non-private":
             assert 0 < record["spent_epsilon"] <= 2.0 * (1 + 1e-6)

@@ -79,8 +79,10 @@ def test_wgan_experiment_runs(tmp_path, capsys):
     assert "PrivateDiff" in capsys.readouterr().out
     doc = json.loads((tmp_path / "wgan.json").read_text())
     assert {r["method"] for r in doc["records"]} == {"DP-SGDA", "PrivateDiff"}
+    assert "declared range [0, 16]" in doc["config"]["preprocessing"]
     for record in doc["records"]:
         assert 0 < record["spent_epsilon"] <= 8.0 * (1 + 1e-6)
         assert len(record["metrics"]["curves"]["wasserstein"]) >= 2
+        assert "diagnostics" not in record["metrics"]  # every metric reads the test images only
     for name in ("wgan_wasserstein.png", "wgan_mmd.png", "wgan_samples.png"):
         assert (tmp_path / name).exists()

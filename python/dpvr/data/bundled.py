@@ -10,11 +10,12 @@ import numpy as np
 from sklearn import datasets as sk
 
 from .dataset import Dataset
+from .preprocess import DeclaredRange
 
 
 def _diabetes() -> Dataset:
     # Raw values: sklearn's default copy is already centred and scaled with statistics of all 442 samples,
-    # which would leak the test split into training; dpvr standardises on the training split instead.
+    # private and test records included; dpvr's experiments standardise with a public split instead.
     bunch = sk.load_diabetes(scaled=False)
     return Dataset(bunch.data.astype(np.float64), bunch.target.astype(np.float64), "regression", "diabetes")
 
@@ -34,3 +35,6 @@ BUNDLED: dict[str, Callable[[], Dataset]] = {
 }
 """Loader of each bundled dataset by name. Digits are 8×8 images with values 0..16 (``sample_shape``
 ``(1, 8, 8)``); breast cancer is binary (0 = malignant, 1 = benign); wine has three classes."""
+
+DIGITS_RANGE = DeclaredRange(0.0, 16.0)
+"""The documented range of the digits' pixels: the map onto [0, 1] that needs no statistic of the data."""

@@ -6,7 +6,8 @@
 ``--problem MODULE:FUNCTION`` names the problem: ``FUNCTION(client, clients)`` returns ``(model, loss_fn,
 shard)``, where ``client`` is ``None`` on the aggregator (whose shard is ignored) and each client loads only
 its own shard. The default, :func:`demo`, gives client ``p`` shard ``p`` of the bundled diabetes set (80% of
-it, standardised, dealt IID with a fixed seed) and the DIFF2 paper's 10-unit softplus MLP.
+what remains after a public split, standardised with the public split's statistics, dealt IID with a fixed
+seed) and the DIFF2 paper's 10-unit softplus MLP.
 """
 
 from __future__ import annotations
@@ -36,20 +37,19 @@ def squared_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def demo(client: int | None, clients: int) -> tuple[nn.Module, LossFn, Shard | None]:
     """Shard ``client`` of the bundled diabetes set and a 10-unit softplus MLP (the same on every rank)."""
-    from ..data import Standardizer, load, split_clients, train_test_split
+    from ..data import PublicScaling, load, split_clients, split_public, train_test_split
 
-    data = load("diabetes")
-    train, _ = train_test_split(data, test_fraction=0.2, seed=0)
-    train = Standardizer.fit(train)(train)
+    public, private = split_public(load("diabetes"), seed=0)
+    train, _ = train_test_split(private, test_fraction=0.2, seed=0)
+    train = PublicScaling.fit(public)(train)
     torch.manual_seed(0)
     width = train.features.shape[1]
     model = nn.Sequential(nn.Linear(width, 10), nn.Softplus(), nn.Linear(10, 1)).double()
     if client is None:
         return model, squared_loss, None
     part = split_clients(train, clients, seed=0)[client]
-    targets = torch.as_tensor(part.targets, dtype=torch.float64)[:, None]
-    scale = float(abs(train.targets).max())  # a public constant of the task, the same on every rank
-    return model, squared_loss, (torch.as_tensor(part.features, dtype=torch.float64), targets / scale)
+    targets = torch.as_tensor(part.targets, dtype=torch.float64)[:, None]  # scaled by the public split
+    return model, squared_loss, (torch.as_tensor(part.features, dtype=torch.float64), targets)
 
 
 def _problem(name: str) -> Problem:

@@ -4,7 +4,8 @@ The paper's protocol, scaled to the data at hand:
 
 - **Data.** Per seed, the classes are split at random into two groups of equal size (positives: the group
   :func:`~dpvr.data.split_classes` draws) and the labels made binary. Bundled: scikit-learn's digits (8x8
-  images, pixel / 16), split 70/30 into train and test at random per seed; ``digits`` keeps every sample,
+  images, pixels mapped from their declared range 0..16 onto [0, 1]: no statistic of the data is fitted),
+  split 70/30 into train and test at random per seed; ``digits`` keeps every sample,
   ``digits-imbalanced`` subsamples the training positives to a ratio of 0.1 and the test set to 0.5 (the
   paper's imbalanced versions). With ``--data-dir DIR``: MNIST from ``DIR/mnist`` and Fashion-MNIST from
   ``DIR/fashion-mnist`` (the standard IDX files, optionally gzipped; pixel / 255), their own train/test
@@ -29,7 +30,9 @@ The paper's protocol, scaled to the data at hand:
   with ``eta_y = 0.2``.
 - **Metrics.** Test and train AUC (:func:`~dpvr.objectives.auc_score`, equal to scikit-learn's
   ``roc_auc_score``) and the norm of the full training gradient ``||grad_x L(x, alpha)||`` at the last
-  iterate, mean ± std over seeds; their curves per epoch are plotted (the paper's Figure 1).
+  iterate, mean ± std over seeds; their curves per epoch are plotted (the paper's Figure 1). Train AUC and
+  gradient norm are measured on the private training data without noise: diagnostics, not private
+  (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
 
 Scale: the paper uses batches of 2048 of 60,000 records for 80 epochs; digits have ~1,250 training records,
 so the default is batches of 256 for 60 epochs and 5 seeds; ``--quick`` runs 30 epochs, 2 seeds and
@@ -52,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import Dataset, binarize, load, read_mnist, split_classes, subsample_to_ratio
+from ..data import DIGITS_RANGE, Dataset, binarize, load, read_mnist, split_classes, subsample_to_ratio
 from ..data import train_test_split as split_train_test
 from ..data.idx import FASHION_MNIST_CLASSES
 from ..objectives import AUCMargin, AUCModel, auc_score
@@ -60,12 +63,31 @@ from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGDA, PrivateDiff
 from ..optim.sampling import BatchSampler
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save
+from .common import (
+    DIAGNOSTIC_NOTE,
+    derive_seed,
+    diagnostic,
+    format_mean_std,
+    plot_curves,
+    progress,
+    record_metrics,
+    save,
+)
 
 NAME = "auc"
 METHODS = ("non-private", "DP-SGDA", "PrivateDiff")
 METRICS = ("test_auc", "train_auc", "grad_norm")
-METRIC_TITLES = {"test_auc": "test AUC", "train_auc": "train AUC", "grad_norm": "||grad_x L|| (train)"}
+DIAGNOSTICS = ("train_auc", "grad_norm")
+"""The metrics measured on the private training data without noise."""
+METRIC_TITLES = {
+    "test_auc": "test AUC",
+    "train_auc": diagnostic("train AUC"),
+    "grad_norm": diagnostic("||grad_x L|| (train)"),
+}
+PREPROCESSING = (
+    f"digits: pixels, {DIGITS_RANGE.description}; MNIST-format images: pixel bytes divided by 255, "
+    "their declared maximum (read_mnist). No statistic of the data is fitted"
+)
 EPSILONS = (0.5, 1.0, 5.0, 10.0)
 LRS = (0.02, 0.2, 2.0)
 HIDDEN = (256, 128)
@@ -111,9 +133,7 @@ class _Data:
 def _raw(name: str, data_dir: str | None, seed: int) -> tuple[Dataset, Dataset]:
     base = name.removesuffix("-imbalanced")
     if base == "digits":
-        digits = load("digits")
-        digits = dataclasses.replace(digits, features=digits.features / 16.0)
-        return split_train_test(digits, test_fraction=0.3, seed=derive_seed(seed, 1))
+        return split_train_test(DIGITS_RANGE(load("digits")), test_fraction=0.3, seed=derive_seed(seed, 1))
     if data_dir is None:
         raise ValueError(f"dataset {name!r} needs --data-dir")
     directory = os.path.join(data_dir, PAPER_SOURCES[base])
@@ -341,6 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "epsilons": list(epsilons),
         "delta": "1/n^1.1 (n: training records)",
         "deltas": deltas,
+        "preprocessing": PREPROCESSING,
         "model": f"AUCModel(MLP {HIDDEN[0]}-{HIDDEN[1]} ReLU), AUC-M v1, margin 1, alpha in [0, 2]",
         "clips": CLIP,
         "restart": RESTART,
@@ -361,9 +382,8 @@ def run_record(
     best: _Run, method: str, dataset: str, epsilon: float | None, delta: float, seed: int
 ) -> Record:
     """The result record of a selected run: final metrics, its learning rates and its curves."""
-    metrics: dict[str, Any] = {m: best.final[m] for m in METRICS}
-    metrics["lr"], metrics["lr_y"] = best.lrs
-    metrics["curves"] = {m: best.curve(m) for m in METRICS}
+    values = {**{m: best.final[m] for m in METRICS}, "lr": best.lrs[0], "lr_y": best.lrs[1]}
+    metrics = record_metrics(values, DIAGNOSTICS, {m: best.curve(m) for m in METRICS})
     return Record(
         method, dataset, epsilon, None if epsilon is None else delta, seed, best.spent_epsilon, metrics
     )
@@ -392,17 +412,14 @@ def _report(
                         *(format_mean_std(r.final[m] for r in runs) for m in METRICS),
                     ]
                 )
-    print(
-        format_table(
-            ["dataset", "epsilon", "method", "spent epsilon", "test AUC", "train AUC", "grad norm"], rows
-        )
-    )
+    columns = ["test AUC", diagnostic("train AUC"), diagnostic("grad norm")]
+    print(format_table(["dataset", "epsilon", "method", "spent epsilon", *columns], rows))
     seeds = "/".join(map(str, sorted({p.seeds for p in protocols.values()})))
     print(
         f"\nmean ± std over {seeds} seeds at the last iterate; delta = 1/n^1.1; spent epsilon: the "
         "accountant's epsilon for what the selected runs released (largest over seeds).\n"
         "Learning rates were tuned on the private training data, as in the paper; that tuning is not "
-        "covered by the privacy accounting."
+        f"covered by the privacy accounting.\n{DIAGNOSTIC_NOTE}"
     )
 
 

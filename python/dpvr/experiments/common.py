@@ -1,4 +1,14 @@
-"""What every experiment shares: seeds, mean ± std, the one-sided t-test, progress, curves, result files."""
+"""What every experiment shares: seeds, mean ± std, the one-sided t-test, progress, curves, result files, and
+the one shape in which a record keeps its training-set diagnostics apart from what it may publish.
+
+Metrics measured on the private training data without noise (train loss, train AUC, gradient norms,
+data-dependent gradient-evaluation counts) show how the optimisation went; they are not releases covered by
+the privacy guarantee. Every experiment puts them under ``metrics["diagnostics"]``, flagged
+``"private": false`` (CSV columns ``diagnostics.*``), and labels them with :func:`diagnostic` in its tables
+and plots. Everything else in ``metrics`` is measured on data outside the private training split or
+describes the run (its size, its noise, its selected hyper-parameters: an experiment that tunes them on the
+private data says so in its config).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +16,55 @@ import csv
 import math
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from ..results import Record, write_json
+
+DIAGNOSTICS_KEY = "diagnostics"
+"""The key of the training-set diagnostics in a record's metrics."""
+
+NOT_PRIVATE = "diagnostic, not private"
+
+DIAGNOSTIC_NOTE = (
+    f"({NOT_PRIVATE}): measured on the private training data without noise; it shows how the optimisation "
+    "went and is not a release covered by the privacy guarantee."
+)
+"""The footnote of every table with a :func:`diagnostic` column."""
+
+
+def diagnostic(title: str) -> str:
+    """The table column or plot title of a training-set metric, labelled as not private."""
+    return f"{title} ({NOT_PRIVATE})"
+
+
+def record_metrics(
+    values: Mapping[str, Any],
+    diagnostics: Collection[str],
+    curves: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, Any]:
+    """A record's metrics: ``values`` and ``curves`` (per-metric series) with the entries named in
+    ``diagnostics`` moved to ``metrics["diagnostics"]``, flagged ``"private": False``."""
+    curves = curves or {}
+    metrics = {k: v for k, v in values.items() if k not in diagnostics}
+    released_curves = {k: v for k, v in curves.items() if k not in diagnostics}
+    if released_curves:
+        metrics["curves"] = released_curves
+    measured = {k: v for k, v in values.items() if k in diagnostics}
+    measured_curves = {k: v for k, v in curves.items() if k in diagnostics}
+    if measured_curves:
+        measured["curves"] = measured_curves
+    if measured:
+        metrics[DIAGNOSTICS_KEY] = {"private": False, **measured}
+    return metrics
+
+
+def metric(metrics: Mapping[str, Any], name: str) -> Any:
+    """The value of metric ``name`` in a record's metrics, whichever section holds it."""
+    return metrics[name] if name in metrics else metrics[DIAGNOSTICS_KEY][name]
 
 
 def derive_seed(*keys: int) -> int:
@@ -61,7 +113,8 @@ def progress(total: int, description: str) -> Any:
 
 
 def write_csv(path: str | os.PathLike[str], records: Sequence[Record]) -> None:
-    """One row per record; nested metrics become dotted columns (``selected.lr``)."""
+    """One row per record; nested metrics become dotted columns (``selected.lr``,
+    ``diagnostics.train_loss``)."""
     rows = []
     for record in records:
         row = {k: v for k, v in asdict(record).items() if k != "metrics"}
@@ -132,12 +185,18 @@ def plot_curves(
 
 
 __all__ = [
+    "DIAGNOSTICS_KEY",
+    "DIAGNOSTIC_NOTE",
+    "NOT_PRIVATE",
     "derive_seed",
+    "diagnostic",
     "format_mean_std",
     "mean_std",
+    "metric",
     "one_sided_ttest",
     "plot_curves",
     "progress",
+    "record_metrics",
     "save",
     "write_csv",
 ]

@@ -2,12 +2,13 @@
 
 The paper's protocol (section 6 and appendix A), scaled to the data at hand:
 
-- **Data.** Per seed: a random 80/20 train/test split; features standardised with the training split's
-  statistics; regression targets divided by the largest absolute training target (the paper takes it over
-  the whole dataset; one constant either way, the same for every method); classification labels coded ±1
-  (one output for two classes, one per class otherwise) so that the squared loss applies. The training
-  split is dealt into ``P`` equal IID client shards (``--clients``, default 10; ``split_clients``, the
-  remainder is dropped).
+- **Data.** Per seed: a random 10% of the records is held out as a public split; the rest is split 80/20
+  at random into the private training split and the test split. Features are standardised and regression
+  targets divided by their largest absolute value with the public split's statistics
+  (:class:`~dpvr.data.PublicScaling`; the paper fits them on the data itself, which lets one private record
+  move every other record's preprocessed value); classification labels are coded ±1 (one output for two
+  classes, one per class otherwise) so that the squared loss applies. The training split is dealt into
+  ``P`` equal IID client shards (``--clients``, default 10; ``split_clients``, the remainder is dropped).
 - **Model.** One hidden layer of 10 softplus units; parameters drawn from U(-1/sqrt(w_in), 1/sqrt(w_in)),
   w_in the layer's inputs (the paper prints sqrt(w_in), read as a typo); per-sample loss
   ``0.5 ||output - target||^2``; the objective ``f`` is the mean over clients of their mean losses.
@@ -17,16 +18,16 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
   defines it so (T = 1), it runs the same code path as DIFF2-GD and it admits the paper's calibration
   (Proposition 4.1 with u -> 1). With equal shards the average of client means is the pooled mean, so by
   default the GD-routine methods run on one pooled shard with the same plan (``n_min P`` records): the
-  same algorithm and the same accounting up to floating-point rounding, with a P-th of the
-  per-sample-gradient calls. BVR-L-SGD, whose local steps run on one client's shard, gets the ``P`` shards.
+  same algorithm and the same accounting, with a P-th of the per-sample-gradient calls (its noise draws
+  are its own: each noise key binds the run's settings, so its records differ from ``local``'s).
+  BVR-L-SGD, whose local steps run on one client's shard, gets the ``P`` shards.
 - **Backends.** ``--backend pooled`` (default) is the above; ``--backend local`` runs every private
   method on the ``P`` shards in this process (the simulation); ``--backend torch-distributed`` runs them
   on ``P`` client processes on loopback gloo (:class:`dpvr.distributed.ClientPool`) with this process as
   the trusted aggregator, which alone holds the noise seeds and the accountants. Each client process is
   sent only its own shard and computes its clipped means as the simulated client does, so ``local`` and
   ``torch-distributed`` release bitwise the same iterates and write the same records. In every backend
-  the non-private GD reference and the metrics (a measurement on the pooled training data, not a release)
-  are computed in this process.
+  the non-private GD reference and the metrics are computed in this process.
 - **Privacy.** Record-level (epsilon, delta)-DP w.r.t. each client's data, replace-one neighbours. Each DP
   method calibrates its noise to the target epsilon with the accountant (``--calibration tight``, default) or
   with Proposition 4.1 (``paper``: u = 1.25 for DIFF2-GD, u -> 1 for DP-GD; DIFF2-BVR-L-SGD always uses the
@@ -47,7 +48,8 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
 - **Metrics.** Final train loss ``f(x_R)``, squared gradient norm ``||grad f(x_R)||^2`` and test loss (and
   test accuracy for classification), mean ± std over seeds; the minimum over the evaluated rounds too (the
   paper's t-test statistic). The one-sided paired t-test (one sample per seed, df = seeds - 1) has the
-  alternative "DIFF2-GD < DP-GD".
+  alternative "DIFF2-GD < DP-GD". Train loss and gradient norm are measured on the private training data
+  without noise: diagnostics, not private (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
 
 Scale: on the bundled sets (a few hundred records) the default is R = 200, C1, C2 in {0.3, 1, 3} (their
 per-sample gradient norms are about 0.2-3), T in {0.01, 0.03, 0.1} R, eta in {0.5^i : i = 0..9}, K = 5
@@ -76,7 +78,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import Dataset, Standardizer, TargetScaler, load, read_csv, read_libsvm, split_clients
+from ..data import Dataset, PublicScaling, load, read_csv, read_libsvm, split_clients, split_public
 from ..data import train_test_split as split_train_test
 from ..distributed import ClientPool
 from ..ops import NoiseGenerator, torch_threads
@@ -84,20 +86,25 @@ from ..optim import DIFF2
 from ..optim.diff2 import Shard
 from ..results import Record, document, format_table
 from .common import (
+    DIAGNOSTIC_NOTE,
     derive_seed,
+    diagnostic,
     format_mean_std,
     one_sided_ttest,
     plot_curves,
     progress,
+    record_metrics,
     save,
 )
 
 NAME = "diff2"
 METHODS = ("GD", "DP-GD", "DIFF2-GD", "DIFF2-BVR-L-SGD")
 METRICS = ("train_loss", "grad_norm_sq", "test_loss")
+DIAGNOSTICS = ("train_loss", "train_loss_min", "grad_norm_sq", "grad_norm_sq_min")
+"""The metrics measured on the private training data without noise."""
 METRIC_TITLES = {
-    "train_loss": "train loss",
-    "grad_norm_sq": "squared train gradient norm",
+    "train_loss": diagnostic("train loss"),
+    "grad_norm_sq": diagnostic("squared train gradient norm"),
     "test_loss": "test loss",
 }
 CLIENTS = 10
@@ -245,13 +252,16 @@ def _coded_targets(dataset: Dataset) -> np.ndarray:
     return np.where(dataset.targets[:, None] == np.arange(dataset.num_classes), 1.0, -1.0)
 
 
+def _split(dataset: Dataset, seed: int) -> tuple[Dataset, Dataset, Dataset]:
+    """``(public, train, test)`` of one seed, drawn without looking at the values."""
+    public, rest = split_public(dataset, seed=derive_seed(seed, 0))
+    return (public, *split_train_test(rest, test_fraction=0.2, seed=derive_seed(seed, 1)))
+
+
 def _prepare(dataset: Dataset, seed: int, clients: int) -> _Data:
-    train, test = split_train_test(dataset, test_fraction=0.2, seed=derive_seed(seed, 1))
-    standardize = Standardizer.fit(train)
-    train, test = standardize(train), standardize(test)
-    if dataset.task == "regression":
-        scale = TargetScaler.fit(train)
-        train, test = scale(train), scale(test)
+    public, train, test = _split(dataset, seed)
+    scale = PublicScaling.fit(public)
+    train, test = scale(train), scale(test)
 
     def tensors(part: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.as_tensor(part.features, dtype=torch.float64), torch.as_tensor(_coded_targets(part))
@@ -480,7 +490,8 @@ class _Outcome:
     def source(self, metric: str) -> _Run:
         return self.by_grad if metric == "grad_norm_sq" else self.by_loss
 
-    def metrics(self) -> dict[str, Any]:
+    def values(self) -> dict[str, Any]:
+        """Every metric by name, the :data:`DIAGNOSTICS` among them."""
         values: dict[str, Any] = {}
         for metric in METRICS:
             curve = self.source(metric).curve(metric)
@@ -626,7 +637,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     outcomes.setdefault(_key(name, epsilon, method), []).append(outcome)
                     delta = None if epsilon is None else DELTA
                     records.append(
-                        Record(method, name, epsilon, delta, seed, outcome.spent_epsilon, outcome.metrics())
+                        Record(
+                            method,
+                            name,
+                            epsilon,
+                            delta,
+                            seed,
+                            outcome.spent_epsilon,
+                            record_metrics(outcome.values(), DIAGNOSTICS),
+                        )
                     )
     config = {
         "datasets": names,
@@ -634,6 +653,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "delta": DELTA,
         "clients": args.clients,
         "backend": args.backend,
+        "preprocessing": PublicScaling.description(),
         "model": f"MLP, one hidden layer of {HIDDEN} softplus units; loss 0.5 ||output - target||^2",
         "calibration": args.calibration,
         "quick": bool(args.quick),
@@ -666,7 +686,7 @@ def _report(
                         epsilon,
                         method,
                         max(spent) if spent else "non-private",
-                        *(format_mean_std(o.metrics()[m] for o in found) for m in METRICS),
+                        *(format_mean_std(o.values()[m] for o in found) for m in METRICS),
                     ]
                 )
             diff2, dpgd = outcomes[(name, epsilon, "DIFF2-GD")], outcomes[(name, epsilon, "DP-GD")]
@@ -678,30 +698,26 @@ def _report(
                         label,
                         *(
                             one_sided_ttest(
-                                [o.metrics()[m + suffix] for o in diff2],
-                                [o.metrics()[m + suffix] for o in dpgd],
+                                [o.values()[m + suffix] for o in diff2],
+                                [o.values()[m + suffix] for o in dpgd],
                                 paired=True,
                             )
                             for m in METRICS
                         ),
                     ]
                 )
-    print(
-        format_table(
-            ["dataset", "epsilon", "method", "spent epsilon", "train loss", "grad norm^2", "test loss"], rows
-        )
-    )
+    columns = [diagnostic("train loss"), diagnostic("grad norm^2"), "test loss"]
+    print(format_table(["dataset", "epsilon", "method", "spent epsilon", *columns], rows))
     print()
-    print(
-        format_table(["dataset", "epsilon", "values", "p train loss", "p grad norm^2", "p test loss"], tests)
-    )
+    print(format_table(["dataset", "epsilon", "values", *(f"p {c}" for c in columns)], tests))
     seeds = "/".join(map(str, sorted({p.seeds for p in protocols.values()})))
     print(
         f"\nmean ± std over {seeds} seeds of the final values; spent epsilon: the accountant's epsilon at "
         f"delta={DELTA:g} for what the selected runs released (largest over seeds).\n"
         "p: one-sided paired t-test (one sample per seed), alternative DIFF2-GD < DP-GD.\n"
         "Hyper-parameters were tuned on the private training data, as in the paper; that tuning is not "
-        "covered by the privacy accounting."
+        f"covered by the privacy accounting.\n{DIAGNOSTIC_NOTE}\n"
+        f"Preprocessing: {PublicScaling.description()}."
     )
 
 

@@ -1,11 +1,11 @@
 """Differentially private DRO (Xu, Ding et al.), section 5: DP Double-SPIDER and DP Recursive-SPIDER against
 DP-SGDA, PrivateDiff and DP-SGD on the dual, on long-tailed data.
 
-- **Data** (bundled digits, pixel / 16, split 70/30 at random per seed). ``digits-st``: built like the
-  paper's CIFAR10-ST, 10 classes, only the last ``KEEP`` training images of each of the first five classes
-  kept, the test set balanced (the same number of images per class). ``digits-st-binary``: the binary
-  imbalanced version (digits 0-4 against 5-9 as in MNIST-ST, training positives subsampled to a ratio of
-  0.1, test balanced).
+- **Data** (bundled digits, pixels mapped from their declared range 0..16 onto [0, 1], no statistic of the
+  data fitted; split 70/30 at random per seed). ``digits-st``: built like the paper's CIFAR10-ST, 10
+  classes, only the last ``KEEP`` training images of each of the first five classes kept, the test set
+  balanced (the same number of images per class). ``digits-st-binary``: the binary imbalanced version
+  (digits 0-4 against 5-9 as in MNIST-ST, training positives subsampled to a ratio of 0.1, test balanced).
 - **Model.** A 64-64 ReLU MLP, per-sample cross-entropy.
 - **Objectives.** Recursive-SPIDER and the non-private reference solve KL-DRO in compositional form with the
   paper's ``rho = 0.5`` and ``lam >= lam0 = 1e-3``. The others solve the penalised problem with the KL
@@ -17,7 +17,8 @@ DP-SGDA, PrivateDiff and DP-SGD on the dual, on long-tailed data.
 - **Hyper-parameters** are fixed in :data:`SETTINGS` (no tuning on the private data). The paper gives none.
 - **Metrics.** Test accuracy, worst-class test accuracy and the norm of the full-training gradient of the
   KL-penalised objective ``||sum_i softmax_i(l / LAM) grad l_i||`` at the last iterate, mean ± std over
-  seeds; curves per epoch.
+  seeds; curves per epoch. The gradient norm is measured on the private training data without noise: a
+  diagnostic, not private (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
 
 ``--quick``: 12 epochs, 2 seeds, epsilon 1 and 10.
 """
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import Dataset, binarize, load, long_tail, subsample_to_ratio
+from ..data import DIGITS_RANGE, Dataset, binarize, load, long_tail, subsample_to_ratio
 from ..data import train_test_split as split_train_test
 from ..objectives import PenalisedDRO, WithEta, divergence, dual_loss, indexed_targets, kl_compositional
 from ..objectives.dro import cross_entropy
@@ -44,11 +45,28 @@ from ..optim import DPSGD, DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
 from ..optim.base import PrivateAlgorithm
 from ..optim.sampling import BatchSampler
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save
+from .common import (
+    DIAGNOSTIC_NOTE,
+    derive_seed,
+    diagnostic,
+    format_mean_std,
+    plot_curves,
+    progress,
+    record_metrics,
+    save,
+)
 
 NAME = "dro"
 METHODS = ("non-private", "DP-SGDA", "PrivateDiff", "DP-SGD-dual", "Double-SPIDER", "Recursive-SPIDER")
 METRICS = ("test_accuracy", "worst_class_accuracy", "grad_norm")
+DIAGNOSTICS = ("grad_norm",)
+"""The metrics measured on the private training data without noise."""
+METRIC_TITLES = {
+    "test_accuracy": "test accuracy",
+    "worst_class_accuracy": "worst-class test accuracy",
+    "grad_norm": diagnostic("grad norm (train)"),
+}
+PREPROCESSING = f"pixels, {DIGITS_RANGE.description}; no statistic of the data is fitted"
 EPSILONS = (0.5, 1.0, 5.0, 10.0)
 DATASETS = ("digits-st", "digits-st-binary")
 KEEP, BINARY_RATIO = 10, 0.1
@@ -98,8 +116,7 @@ def _balanced(test: Dataset, seed: int) -> Dataset:
 
 
 def _prepare(name: str, seed: int) -> _Data:
-    digits = load("digits")
-    digits = dataclasses.replace(digits, features=digits.features / 16.0)
+    digits = DIGITS_RANGE(load("digits"))
     train, test = split_train_test(digits, test_fraction=0.3, seed=derive_seed(seed, 1))
     if name == "digits-st":
         train, test = long_tail(train, KEEP), _balanced(test, derive_seed(seed, 2))
@@ -223,13 +240,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             method, init, data, epochs, epsilon, run_seed, args.divergence
                         )
                         found.setdefault((name, epsilon, method), []).append(history)
-                        metrics: dict[str, Any] = dict(history[-1])
-                        metrics["curves"] = {m: [h[m] for h in history] for m in METRICS}
+                        curves = {m: [h[m] for h in history] for m in METRICS}
+                        metrics = record_metrics(history[-1], DIAGNOSTICS, curves)
                         records.append(Record(method, name, epsilon, None if epsilon is None else data.delta,
                                               seed, spent, metrics))
                         bar.update()
     config = {
-        "datasets": names, "epsilons": list(epsilons), "seeds": seeds, "epochs": epochs, "batch_size": BATCH,
+        "datasets": names, "preprocessing": PREPROCESSING, "epsilons": list(epsilons), "seeds": seeds,
+        "epochs": epochs, "batch_size": BATCH,
         "delta": "1/n^1.1 (n: training records)", "model": f"MLP {HIDDEN}-{HIDDEN} ReLU, cross-entropy",
         "divergence": args.divergence, "rho": RHO, "lam0": LAM0, "penalty": LAM, "epoch_size": Q,
         "keep_per_class": KEEP, "binary_positive_ratio": BINARY_RATIO, "settings": SETTINGS,
@@ -242,7 +260,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for epsilon in epsilons:
             path = f"{args.out}/{NAME}-{name}-eps{epsilon:g}.png"
             keys = [(name, None, methods[0])] + [(name, epsilon, m) for m in methods[1:]]
-            panels = {m: {k[2]: [[h[m] for h in hist] for hist in found[k]] for k in keys} for m in METRICS}
+            panels = {
+                METRIC_TITLES[m]: {k[2]: [[h[m] for h in hist] for hist in found[k]] for k in keys}
+                for m in METRICS
+            }
             plot_curves(path, list(range(epochs + 1)), panels, title=f"{name}, epsilon={epsilon:g}",
                         xlabel="epoch", log_y=False)
             paths.append(path)
@@ -258,7 +279,9 @@ def _report(found: dict, names: Sequence[str], epsilons: Sequence[float], method
                 runs = [h[-1] for h in found[(name, epsilon, method)]]
                 rows.append([name, "∞" if epsilon is None else epsilon, method,
                              *(format_mean_std(r[m] for r in runs) for m in METRICS)])
-    print(format_table(["dataset", "epsilon", "method", "test acc", "worst-class acc", "grad norm"], rows))
+    columns = ["test acc", "worst-class acc", diagnostic("grad norm")]
+    print(format_table(["dataset", "epsilon", "method", *columns], rows))
+    print(f"\n{DIAGNOSTIC_NOTE}")
     # Table 3's shape: one row per budget, one column per (dataset, method), test accuracy in percent
     headers = ["epsilon", *(f"{n} {m}" for n in names for m in methods)]
     table = []

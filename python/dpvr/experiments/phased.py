@@ -4,7 +4,10 @@ Three problem families, each at several dataset sizes ``n`` and budgets ``epsilo
 
 - ``breast_cancer``: L2-regularised logistic regression (DP-SCO); ``phased-SC`` (Algorithm 1) and
   ``phased-C`` (Algorithm 2, ignoring the strong convexity) against ``DP-SGD``; metric: excess empirical
-  risk ``F(x~) - F(x*)`` of the regularised objective on the ``n`` samples used;
+  risk ``F(x~) - F(x*)`` of the regularised objective on the ``n`` samples used. Per seed, a random 10% of
+  the records is a public split whose statistics standardise the features (fitted on the private
+  records, they would let one record move all the others); the ``n`` private records are drawn from the
+  rest, get an intercept and are scaled to unit norm (a per-record map);
 - ``quadratic-scsc``: a random SC-SC quadratic saddle problem; ``phased-SCSC`` (Algorithm 3) against
   ``DP-SGDA``; metric: empirical duality gap (closed form);
 - ``robust-regression``: ``min_{||x|| <= 1} max_{||y||_inf <= 1} y^T (A x - b)`` on synthetic records with
@@ -26,7 +29,8 @@ and ``ceil(8 sqrt n)`` steps of ``diameter/(L sqrt T)`` with iterate averaging o
 ``n^{3/2}`` gradient evaluations the paper quotes for DP-SGDA).
 
 ``grad_evals`` counts per-sample gradient evaluations (the phased solvers stop at their certificate, so
-theirs depends on the data; it is a diagnostic, not a released quantity).
+theirs depends on the data). It and both metrics are measured on the private records without noise:
+diagnostics, not private (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
 """
 
 from __future__ import annotations
@@ -47,11 +51,18 @@ from ..ops import NoiseGenerator, clip_accumulate, noisy_update
 from ..optim.phased import FiniteSumProblem, PhasedOutputPerturbation
 from ..privacy import DPSGD, Accountant
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, save
+from .common import DIAGNOSTIC_NOTE, derive_seed, diagnostic, format_mean_std, metric, record_metrics, save
 from .common import progress as progress_bar
 
 DELTA = 1e-5
 _L2 = 0.05  # ridge of the logistic regression: the strong convexity phased-SC and DP-SGD rely on
+DIAGNOSTICS = ("excess_risk", "duality_gap", "grad_evals", "grad_evals_per_n")
+"""Every metric of a run: all are measured on the private records without noise."""
+PREPROCESSING = (
+    f"breast_cancer: {data.PublicScaling.description()}; the n private records of a run are drawn from "
+    f"the rest, get an intercept and are scaled to unit L2 norm (a per-record map). quadratic-scsc, "
+    "robust-regression: synthetic records, each clipped to the problem's norm bound (a per-record map)"
+)
 
 
 @dataclass(frozen=True)
@@ -64,11 +75,19 @@ class _Family:
     metric: str
 
 
+def _split(full: data.Dataset, n: int, seed: int) -> tuple[data.Dataset, data.Dataset]:
+    """``(public, private)``: the public split, and ``n`` records drawn from the rest (values unread)."""
+    public, rest = data.split_public(full, seed=derive_seed(seed, 0))
+    return public, rest.subset(np.random.default_rng(seed).permutation(len(rest))[:n])
+
+
+def _logistic_problem(full: data.Dataset, n: int, seed: int) -> LogisticRegression:
+    public, private = _split(full, n, seed)
+    return LogisticRegression.from_dataset(data.PublicScaling.fit(public)(private), l2=_L2)
+
+
 def _logistic(n: int, seed: int) -> LogisticRegression:
-    full = data.load("breast_cancer")
-    full = data.Standardizer.fit(full)(full)
-    order = np.random.default_rng(seed).permutation(len(full))[:n]
-    return LogisticRegression.from_dataset(full.subset(order), l2=_L2)
+    return _logistic_problem(data.load("breast_cancer"), n, seed)
 
 
 def _quadratic(n: int, seed: int) -> QuadraticSaddle:
@@ -84,8 +103,8 @@ FAMILIES = (
     _Family("quadratic-scsc", _quadratic, ("phased-SCSC", "DP-SGDA"), "duality_gap"),
     _Family("robust-regression", _robust, ("phased-CC", "DP-SGDA"), "duality_gap"),
 )
-_SIZES = {  # family -> n grid (quick, full)
-    "breast_cancer": ((142, 284, 569), (71, 142, 284, 569)),
+_SIZES = {  # family -> n grid (quick, full); breast_cancer has 512 records besides its public split
+    "breast_cancer": ((128, 256, 512), (64, 128, 256, 512)),
     "quadratic-scsc": ((256, 1024, 4096), (256, 1024, 4096, 16384)),
     "robust-regression": ((256, 1024, 4096), (256, 1024, 4096, 16384)),
 }
@@ -190,11 +209,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for method in family.methods:
                 cell = [r for r in mine if (r.metrics["n"], r.epsilon) == key and r.method == method]
                 rows.append([family.dataset, *key, method, max(r.spent_epsilon for r in cell),
-                             format_mean_std(r.metrics[family.metric] for r in cell), family.metric,
-                             format_mean_std(r.metrics["grad_evals_per_n"] for r in cell)])
-    print(format_table(["problem", "n", "ε", "method", "spent ε", "value", "metric", "grad evals / n"], rows))
+                             format_mean_std(metric(r.metrics, family.metric) for r in cell), family.metric,
+                             format_mean_std(metric(r.metrics, "grad_evals_per_n") for r in cell)])
+    print(format_table(["problem", "n", "ε", "method", "spent ε", diagnostic("value"), "metric",
+                        diagnostic("grad evals / n")], rows))
+    print(f"\n{DIAGNOSTIC_NOTE}")
     doc = document("phased", {"quick": args.quick, "epsilons": list(epsilons), "seeds": seeds,
-                              "delta": DELTA}, records)
+                              "delta": DELTA, "preprocessing": PREPROCESSING}, records)
     save(doc, records, args.out)
     return doc
 
@@ -223,9 +244,9 @@ def run_grid(*, quick: bool, epsilons: Sequence[float], seeds: int | Sequence[in
                     phased_noise = noise
                 else:
                     x, y, evals, spent = _baseline(problem, phased_noise, run_seed)
-                records.append(Record(method, family.dataset, epsilon, DELTA, seed, spent, {
+                records.append(Record(method, family.dataset, epsilon, DELTA, seed, spent, record_metrics({
                     "n": n, family.metric: _metric(problem, family.metric, x, y, reference),
-                    "grad_evals": evals, "grad_evals_per_n": evals / n}))
+                    "grad_evals": evals, "grad_evals_per_n": evals / n}, DIAGNOSTICS)))
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -236,7 +257,7 @@ def run_grid(*, quick: bool, epsilons: Sequence[float], seeds: int | Sequence[in
 
 def plot(records: Sequence[Record], path: str | os.PathLike[str]) -> None:
     """Per family: the metric against n (largest epsilon) and against epsilon (largest n), and the gradient
-    evaluations against n; means over seeds, log scales."""
+    evaluations against n; means over seeds, log scales. Every axis is a diagnostic, labelled so."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -252,7 +273,7 @@ def plot(records: Sequence[Record], path: str | os.PathLike[str]) -> None:
         n_max = max(r.metrics["n"] for r in rows)
         panels = (("n", family.metric, f"epsilon = {eps_max:g}"), ("epsilon", family.metric, f"n = {n_max}"),
                   ("n", "grad_evals", "gradient evaluations"))
-        for row, (axis, metric, note) in enumerate(panels):
+        for row, (axis, name, note) in enumerate(panels):
             ax = axes[row][col]
             for method in family.methods:
                 points: dict[float, list[float]] = {}
@@ -261,10 +282,10 @@ def plot(records: Sequence[Record], path: str | os.PathLike[str]) -> None:
                     kept = r.epsilon == eps_max if axis == "n" else r.metrics["n"] == n_max
                     if r.method == method and kept:
                         key = r.metrics["n"] if axis == "n" else r.epsilon
-                        points.setdefault(key, []).append(r.metrics[metric])
+                        points.setdefault(key, []).append(metric(r.metrics, name))
                 xs = sorted(points)
                 ax.plot(xs, [np.mean(points[v]) for v in xs], marker="o", label=method)
-            if metric == "grad_evals":
+            if name == "grad_evals":
                 xs = sorted({r.metrics["n"] for r in rows})
                 ax.plot(xs, [10 * v for v in xs], "k:", label="10 n")
             ax.set_xscale("log")
@@ -273,7 +294,7 @@ def plot(records: Sequence[Record], path: str | os.PathLike[str]) -> None:
             ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.set_xlabel(axis)
-            ax.set_ylabel(metric)
+            ax.set_ylabel(diagnostic(name))
             ax.set_title(f"{family.dataset}: {note}")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)

@@ -7,8 +7,9 @@ dpvr[rl]``):
   random actions) from ``cartpole`` (CartPole-v1) and ``acrobot`` (Acrobot-v1); ``pong`` (ALE/Pong-v5 with
   its 128-byte RAM as the state, bytes / 255) when the Atari environments (``ale-py``) are installed.
   Each transition is a private record; a second, independent collection (another environment seed) is the
-  evaluation set. Episodes are cut at the environments' own limits; ``done`` marks a true termination
-  (no bootstrap), a time-limit truncation bootstraps.
+  evaluation set. Apart from Pong's bytes / 255 (their declared maximum), states and rewards enter as the
+  environments give them: no statistic of the data is fitted. Episodes are cut at the environments' own
+  limits; ``done`` marks a true termination (no bootstrap), a time-limit truncation bootstraps.
 - **Objective** (:class:`~dpvr.objectives.MSPBE`): the primal-dual MSPBE, min over the value network's
   parameters ``theta``, max over the dual ``omega`` (one entry per parameter, in a ball of radius
   ``RADIUS``), ``gamma = GAMMA``. The value network has one hidden layer of 50 tanh units.
@@ -19,7 +20,8 @@ dpvr[rl]``):
   to ``(epsilon, delta)``, ``delta = 1/n^1.1``, replace-one neighbours over transitions (a trajectory-level
   guarantee needs group privacy over the episode length).
 - **Metric.** The MSPBE ``1/2 e^T G^{-1} e`` of the value network on the evaluation transitions, over
-  iterations (the paper plots "the loss"; zero is optimal).
+  iterations (the paper plots "the loss"; zero is optimal). No metric reads the private transitions, so the
+  records hold no diagnostics.
 
 Scale: the paper gives 100 epochs and no data size; here 2,000 transitions, 100 epochs of batch 100, 3 seeds,
 epsilon {1, 4}; ``--quick``: 1,000 transitions, 10 epochs, 1 seed, epsilon 4, CartPole and Acrobot.
@@ -41,7 +43,7 @@ from ..objectives import MSPBE, TransitionValues, ValueModel, semi_gradient_td_l
 from ..ops import NoiseGenerator, torch_threads
 from ..optim import DPSGD, DPSGDA, PrivateDiff
 from ..results import Record, document, format_table
-from .common import derive_seed, format_mean_std, plot_curves, progress, save
+from .common import derive_seed, format_mean_std, plot_curves, progress, record_metrics, save
 
 NAME = "td"
 METHODS = ("DP-SGDA", "PrivateDiff", "DP-TD")
@@ -51,6 +53,10 @@ GAMMA, RADIUS, HIDDEN = 0.9, 10.0, 50
 CLIP = {"clip_x": 3.0, "clip_y": 3.0, "clip0": 3.0, "clip1": 3.0, "clip2": 3.0, "clip3": 0.3}
 RESTART, Y_STEPS = 2, 3
 LR = {"lr": 0.05, "lr_y": 0.05}
+PREPROCESSING = (
+    "states as the environment gives them (pong: RAM bytes divided by 255, their declared maximum), "
+    "rewards unscaled; no statistic of the data is fitted"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         noise_seed = derive_seed(seed, METHODS.index(method), round(epsilon * 1e6))
                         result = _train(method, train, evaluation, protocol, epsilon, seed, noise_seed)
                         found.setdefault((name, epsilon, method), []).append(result)
-                        metrics = {"mspbe": result.mspbe[-1], "curves": {"mspbe": result.mspbe}}
+                        metrics = record_metrics(
+                            {"mspbe": result.mspbe[-1]}, diagnostics=(), curves={"mspbe": result.mspbe}
+                        )
                         records.append(
                             Record(method, name, epsilon, delta, seed, result.spent_epsilon, metrics)
                         )
@@ -220,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {
         "environments": {n: ENVIRONMENTS[n] for n in names},
         "policy": "uniformly random actions",
+        "preprocessing": PREPROCESSING,
         "epsilons": list(epsilons),
         "delta": "1/n^1.1 (n: private transitions)",
         "gamma": GAMMA,

@@ -3,9 +3,10 @@
 The paper pre-trains a ResNet-20 on CIFAR-100 (public) and fine-tunes it privately on CIFAR-10 (balanced,
 imbalanced, heavy-tailed) for AUC (its Table 3). The same setting with the data at hand:
 
-- **Public and private parts.** Per seed, scikit-learn's digits (pixel / 16) are split 70/30 into train and
-  test; ``PUBLIC_CLASSES`` (4) of the 10 classes, drawn at random, are the public part (all their images);
-  the other 6 are private. The private classes are split at random into 3 positive and 3 negative ones.
+- **Public and private parts.** Per seed, scikit-learn's digits (pixels mapped from their declared range
+  0..16 onto [0, 1], no statistic of the data fitted) are split 70/30 into train and test;
+  ``PUBLIC_CLASSES`` (4) of the 10 classes, drawn at random, are the public part (all their images); the
+  other 6 are private. The private classes are split at random into 3 positive and 3 negative ones.
 - **Variants** (training split only; the test split stays as it is, except the imbalanced test set,
   subsampled to 0.5 positives as in the AUC experiment): ``transfer-balanced``; ``transfer-imbalanced``
   (positives subsampled to 0.1); ``transfer-heavy-tailed`` (CIFAR10-ST style: of the first half of the
@@ -17,7 +18,8 @@ imbalanced, heavy-tailed) for AUC (its Table 3). The same setting with the data 
 - **Fine-tuning**: exactly the AUC experiment's methods, objective, privacy accounting and learning-rate
   selection (:mod:`dpvr.experiments.auc`): non-private SGDA, DP-SGDA and PrivateDiff on AUC-M ``v1``. The
   positive ratio ``p`` is public: 0.1 for the imbalanced variant, the share of positive classes (0.5)
-  otherwise (the heavy-tailed cut changes the real ratio; ``p`` stays the protocol's).
+  otherwise (the heavy-tailed cut changes the real ratio; ``p`` stays the protocol's). As there, train AUC
+  and gradient norm are diagnostics, not private.
   **The learning-rate selection uses the private training data and is not covered by the accounting.**
 - **Privacy**: ``(epsilon, delta)``-DP for the private part, ``delta = 1/n^1.1``; the pre-training reads
   public data only, so it costs nothing.
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import Dataset, binarize, load, long_tail, split_classes, subsample_to_ratio
+from ..data import DIGITS_RANGE, Dataset, binarize, load, long_tail, split_classes, subsample_to_ratio
 from ..data import train_test_split as split_train_test
 from ..objectives import AUCMargin, AUCModel
 from ..ops import torch_threads
@@ -50,6 +52,7 @@ DATASETS = ("transfer-balanced", "transfer-imbalanced", "transfer-heavy-tailed")
 PUBLIC_CLASSES = 4
 TAIL_KEEP = 10  # images kept per cut class (CIFAR10-ST keeps 100 of 5000; ~125 digits per class here)
 PRETRAIN_EPOCHS = 30
+PREPROCESSING = f"pixels, {DIGITS_RANGE.description}; no statistic of the data is fitted"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +69,7 @@ class _Split:
 
 
 def _split(name: str, seed: int) -> _Split:
-    digits = load("digits")
-    digits = dataclasses.replace(digits, features=digits.features / 16.0)
+    digits = DIGITS_RANGE(load("digits"))
     train, test = split_train_test(digits, test_fraction=0.3, seed=derive_seed(seed, 1))
     order = np.random.default_rng(derive_seed(seed, 2)).permutation(digits.num_classes)
     public, private = np.sort(order[:PUBLIC_CLASSES]), np.sort(order[PUBLIC_CLASSES:])
@@ -160,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         records.append(auc.run_record(best, method, name, epsilon, data.delta, seed))
     config = {
         "datasets": names,
+        "preprocessing": PREPROCESSING,
         "epsilons": list(epsilons),
         "delta": "1/n^1.1 (n: private training records)",
         "deltas": deltas,

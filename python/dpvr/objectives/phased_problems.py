@@ -90,8 +90,9 @@ class LogisticRegression:
                      radius: float | None = None) -> LogisticRegression:
         """A binary :class:`~dpvr.data.Dataset`, with an intercept feature, each row scaled to unit norm.
 
-        Standardise the features first (:class:`~dpvr.data.Standardizer`); as everywhere in dpvr, fitted
-        preprocessing statistics are outside the privacy guarantee.
+        Standardise the features first with statistics that do not depend on the private records (e.g.
+        :class:`~dpvr.data.PublicScaling` fitted on a public split); statistics fitted on the private data
+        would void the per-record sensitivity argument.
         """
         if dataset.task != "classification" or dataset.num_classes != 2:
             raise ValueError(f"dataset must be a binary classification dataset, got {dataset.name!r} "
