@@ -268,11 +268,8 @@ def test_nonfinite_raise_stops_dp_sgd_before_the_release():
 # ---- 5. Recursive-SPIDER's s is charged its true sensitivity ---------------------------------------------
 
 
-def test_s_noise_is_the_replace_one_range_over_two():
-    """The s term of one record lies in [-(1 - beta) C5, C5]: replace-one sensitivity (2 - beta) C5, which in
-    dpvr's unit (the replace-one accountant charges twice the unit) is a unit of (2 - beta) C5 / 2."""
-    x, y = data(n=12)
-    alg = _spider(RecursiveSpider, x, y, clip5=0.8)
+def _noise_stds_of_one_step(alg):
+    """The noise std of each release of one step, by stream."""
     seen = {}
     original = dpvr.ops.noisy_update
 
@@ -285,6 +282,15 @@ def test_s_noise_is_the_replace_one_range_over_two():
         alg.step()
     finally:
         dpvr.ops.noisy_update = original
+    return seen
+
+
+def test_s_noise_is_the_replace_one_range_over_two():
+    """The s term of one record lies in [-(1 - beta) C5, C5]: replace-one sensitivity (2 - beta) C5, which in
+    dpvr's unit (the replace-one accountant charges twice the unit) is a unit of (2 - beta) C5 / 2."""
+    x, y = data(n=12)
+    alg = _spider(RecursiveSpider, x, y, clip5=0.8)
+    seen = _noise_stds_of_one_step(alg)
     assert seen["s"] == pytest.approx(alg.noise["s"] * (2 - 0.5) * 0.8 / 2, rel=1e-15)
 
 
@@ -362,3 +368,17 @@ def test_phased_nonfinite_records_contribute_nothing():
     assert np.isfinite(result.x).all()
     with pytest.raises(dpvr.ops.NonFiniteError):
         _phased(nonfinite="raise").run(_NaNRecord())
+
+
+def test_one_sided_refresh_terms_are_charged_their_range():
+    """Recursive-SPIDER's u-refresh terms d g / d lam are >= 0: clipped at C3 they span [0, C3], so a replaced
+    record moves the sum by C3 (attained: a loss of B - lam against one at the cap), twice the unit C3 / 2."""
+    from dpvr.objectives.dro import inner_lambda_grads
+
+    lam, bound, clip3 = 1.0, 5.0, 0.2
+    worst = inner_lambda_grads(torch.tensor([bound - lam, bound], dtype=torch.float64), lam, bound)
+    assert float(worst.clamp_max(clip3)[0] - worst.clamp_max(clip3)[1]) == pytest.approx(clip3)
+    x, y = data(n=12)
+    alg = _spider(RecursiveSpider, x, y, clip3=clip3)
+    seen = _noise_stds_of_one_step(alg)
+    assert seen["u-refresh"] == pytest.approx(alg.noise["u-refresh"] * clip3 / 2 / 12, rel=1e-15)

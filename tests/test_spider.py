@@ -116,9 +116,9 @@ def _releases(alg):
     """Wraps ``alg._release`` to keep (stream, radius, released sum) of every call."""
     seen, release = [], alg._release
 
-    def spy(stream, estimate, total, radius, reset):
+    def spy(stream, estimate, total, radius, reset, unit=None):
         seen.append((stream, radius, torch.cat([t.reshape(-1) for t in total]).clone()))
-        release(stream, estimate, total, radius, reset)
+        release(stream, estimate, total, radius, reset, unit)
 
     alg._release = spy
     return seen

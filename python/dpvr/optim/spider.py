@@ -131,14 +131,18 @@ class _Spider(PrivateAlgorithm):
                                        nonfinite=self.nonfinite))
 
     def _release(self, stream: str, estimate: Sequence[Tensor], total: Sequence[Tensor], radius: float,
-                 reset: bool) -> None:
-        """``estimate <- (0 if reset else estimate) + total / b + N(0, (z radius / b)^2 I)``."""
+                 reset: bool, unit: float | None = None) -> None:
+        """``estimate <- (0 if reset else estimate) + total / b + N(0, (z unit / b)^2 I)``.
+
+        ``unit`` is half the replace-one range of one record's term (dpvr's unit, see
+        :mod:`dpvr.privacy.relations`): ``radius`` for terms clipped into a ball of that radius, less for
+        one-sided scalars."""
         b = self.samplers[stream].batch_size
         ops.noisy_update(
             list(estimate),
             sum=list(total),
             scale=1.0 / b,
-            sigma=self.noise[stream] * radius / b,
+            sigma=self.noise[stream] * (radius if unit is None else unit) / b,
             reset=reset,
             generator=self.generator,
             stream=stream,
@@ -186,9 +190,13 @@ class DoubleSpider(_Spider):
     Privacy (replace-one, the paper's relation): each of the four streams releases a mean over its batch of
     per-sample terms of norm at most its radius, plus Gaussian noise of std ``z C / b``; the radii are
     functions of released values only (``eta`` and ``x`` iterates), so each release is a sampled Gaussian
-    mechanism with a fixed noise multiplier ``z``. All four streams are composed in one accountant as the
-    plan :class:`dpvr.privacy.events.DoubleSpider` describes, behind the budget guard; pass ``noise`` (the
-    four multipliers) or ``epsilon`` to calibrate them jointly for the total ``(epsilon, delta)``.
+    mechanism with a fixed noise multiplier ``z``. The eta-refresh terms ``1 - (psi*)'(a)`` are at most 1
+    (``(psi*)' >= 0``), so clipped at ``C1`` they lie in ``[-C1, min(1, C1)]``: replacing a record moves the
+    sum by at most ``C1 + min(1, C1)``, twice the unit ``(C1 + min(1, C1)) / 2`` that the noise std
+    ``z (C1 + min(1, C1)) / (2 b)`` is scaled to (``z C1 / b`` when ``C1 <= 1``). All four streams are
+    composed in one accountant as the plan :class:`dpvr.privacy.events.DoubleSpider` describes, behind the
+    budget guard; pass ``noise`` (the four multipliers) or ``epsilon`` to calibrate them jointly for the
+    total ``(epsilon, delta)``.
     Assumptions: batches drawn as stated (seeded from the operating system unless ``sampler_seed``), ``x0``
     and ``eta0`` independent of the data, a loss that is a function of one record.
 
@@ -270,7 +278,9 @@ class DoubleSpider(_Spider):
         if not refresh:
             values = values - dual_eta_grads(div, self._losses(x_prev, batch), eta_prev, lam)
         dropped = self._scalar_sum(values, radius, self._g_sum)
-        self._release(stream, [self._g], [self._g_sum], radius, refresh)
+        # grad_eta = 1 - (psi*)' <= 1, as (psi*)' >= 0: a refresh term lies in [-C1, min(1, C1)]
+        unit = (radius + min(1.0, radius)) / 2 if refresh else None
+        self._release(stream, [self._g], [self._g_sum], radius, refresh, unit)
         self._record(admitted)
         self._eta_prev.copy_(self.eta)
         self.eta.sub_(self._g, alpha=self.lr_eta)
@@ -315,10 +325,13 @@ class RecursiveSpider(_Spider):
        ``lam <- max(lam0, lam - lr_lam ((lam/s') u + log s' + rho))``.
 
     Privacy (replace-one): every stream releases a mean of per-sample terms bounded by its radius, with noise
-    std ``z C / b``. For ``s`` the released term of the one drawn record lies in ``[-(1 - beta) C5, C5]``
-    (both inner values are clipped into ``[0, C5]``; a record with a non-finite value contributes 0), so
-    replacing that record moves it by at most ``(2 - beta) C5``: the replace-one sensitivity, which is twice
-    dpvr's unit, so the unit is ``(2 - beta) C5 / 2`` and the noise std ``z_s (2 - beta) C5 / 2``. Radii
+    std ``z C / b``, except where a term is one-sided: the u-refresh terms ``d g / d lam >= 0`` clipped at
+    ``C3`` lie in ``[0, C3]``, so replacing a record moves the sum by at most ``C3``, twice the unit
+    ``C3 / 2`` (noise std ``z C3 / (2 b)``). For ``s`` the released term of the one drawn record lies in
+    ``[-(1 - beta) C5, C5]`` (both inner values are clipped into ``[0, C5]``; a record with a non-finite
+    value contributes 0), so replacing that record moves it by at most ``(2 - beta) C5``: the replace-one
+    sensitivity, which is twice dpvr's unit, so the unit is ``(2 - beta) C5 / 2`` and the noise std
+    ``z_s (2 - beta) C5 / 2``. Radii
     depend on released iterates only; the five streams are composed in one accountant as the plan
     :class:`dpvr.privacy.events.RecursiveSpider` describes, behind the budget guard; pass ``noise`` or
     ``epsilon`` (joint calibration). Assumptions: batches as stated, ``x0``, ``lam0``, ``lam_init``, ``s0``,
@@ -438,7 +451,8 @@ class RecursiveSpider(_Spider):
         if not refresh:
             values = values - inner_lambda_grads(self._losses(x_prev, batch), lam_prev, bound)
         dropped += self._scalar_sum(values, radius, self._u_sum)
-        self._release(stream, [self._u], [self._u_sum], radius, refresh)
+        # d g / d lam >= 0: a refresh term lies in [0, C3], a replace-one range of C3, half of a ball's
+        self._release(stream, [self._u], [self._u_sum], radius, refresh, radius / 2 if refresh else None)
         self._record(admitted)
         # ---- s: STORM estimate of g on one record at w_t and w_{t-1} ----
         admitted = self._admit("s")

@@ -1,0 +1,484 @@
+"""Every release of every algorithm stays within the sensitivity its accountant charges, on generated
+configurations and on each edge of the configuration space; the accountant charges what was released.
+
+The machinery (lockstep runs on neighbouring datasets, the factory table, the accounting checks) is in
+``sensitivity.py``; this module generates configurations with hypothesis and states the properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, reject, settings
+from hypothesis import strategies as st
+
+import sensitivity as harness
+from dpvr.optim.gradients import ClippedGradients
+from sensitivity import ADD_REMOVE, ALGORITHMS, REPLACE_ONE
+
+GENERATED = settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+PINNED = settings(GENERATED, max_examples=2)
+TIGHTNESS = 0.5  # a stream charged twice its sensitivity (e.g. the replace-one factor twice) cannot pass it
+
+# The edges of the configuration space. Each algorithm lists those it has; the strategies below pin one.
+EDGES = {
+    "one-step": "a single step (or round): every estimator is fresh",
+    "one-pass": "steps x batch size = n: each record read about once",
+    "restart-1": "restart / epoch size q = 1: every step refreshes, no difference stream",
+    "zero-releases": "a stream of the plan releases nothing (steps = 1 < q, or restart > rounds)",
+    "rate-1": "every batch is the whole dataset (sampling rate 1)",
+    "batch-1": "batches of one record",
+    "radius-0": "the iterate does not move, so a difference round's clip radius is 0",
+    "non-finite": "the differing record's features (so its loss and gradients) are NaN or infinite",
+}
+# fmt: off
+APPLIES = {
+    "DP-SGD": ["one-step", "one-pass", "rate-1", "batch-1", "non-finite"],
+    "DP-GD": ["one-step", "non-finite"],
+    "DIFF2": ["one-step", "restart-1", "zero-releases", "rate-1", "batch-1", "radius-0", "non-finite"],
+    "DP-SGDA": ["one-step", "one-pass", "rate-1", "batch-1", "non-finite"],
+    "PrivateDiff": ["one-step", "one-pass", "restart-1", "zero-releases", "rate-1", "batch-1", "radius-0",
+                    "non-finite"],
+    "Double-SPIDER": ["one-step", "restart-1", "zero-releases", "rate-1", "batch-1", "radius-0",
+                      "non-finite"],
+    "Recursive-SPIDER": ["one-step", "restart-1", "zero-releases", "rate-1", "batch-1", "radius-0",
+                         "non-finite"],
+}
+# fmt: on
+TINY_LR = 1e-300  # lost to rounding: the iterate stays put and its measured move is exactly 0
+
+
+# ---- configurations -------------------------------------------------------------------------------------
+def _shared(draw, edge: str | None, n: int) -> dict:
+    """What every configuration draws: seeds, the differing record and its kind, the gradient path."""
+    adversaries = ["opposed", "huge", "nan", "inf"]
+    if edge == "non-finite":
+        adversaries = ["nan", "inf"]
+    elif edge == "radius-0":  # D's record must be as still as the rest of D ("opposed" puts a huge one there)
+        adversaries = ["huge", "nan", "inf"]
+    return {
+        "seed": draw(st.integers(0, 3), label="seed"),
+        "index": draw(st.integers(0, n - 1), label="index"),
+        "adversary": draw(st.sampled_from(adversaries), label="adversary"),
+        "grad_mode": draw(st.sampled_from(["auto", "materialised"]), label="grad_mode"),
+        "relation": REPLACE_ONE,
+    }
+
+
+def _batch(draw, edge: str | None, n: int, label: str = "batch") -> int:
+    if edge == "rate-1":
+        return n
+    if edge == "batch-1":
+        return 1
+    return draw(st.integers(1, n), label=label)
+
+
+def _steps(draw, edge: str | None, per_pass: int = 1, most: int = 4) -> int:
+    if edge == "one-step":
+        return 1
+    if edge == "one-pass":
+        return per_pass
+    return draw(st.integers(1, most), label="steps")
+
+
+def _schedule(draw, edge: str | None, most: int = 4) -> tuple[int, int]:
+    """``(steps, restart)`` for the restarted estimators (DIFF2, PrivateDiff, SPIDER's epoch size q)."""
+    if edge == "restart-1":
+        return draw(st.integers(2, most), label="steps"), 1
+    if edge == "zero-releases":
+        steps = draw(st.integers(1, most), label="steps")
+        return steps, draw(st.integers(max(steps, 2), most + 1), label="restart")
+    if edge == "radius-0":  # at least one difference round
+        return draw(st.integers(2, most), label="steps"), draw(st.integers(2, most), label="restart")
+    steps = 1 if edge == "one-step" else draw(st.integers(1, most), label="steps")
+    return steps, draw(st.integers(1, most + 1), label="restart")
+
+
+@st.composite
+def dpsgd_configs(draw, edge: str | None = None, sampling: str | None = None) -> dict:
+    n = draw(st.sampled_from([4, 6, 8]), label="n")
+    config = {"n": n, **_shared(draw, edge, n)}
+    if sampling is None:
+        choices = (
+            ["poisson", "wor"] if edge in ("batch-1", "rate-1") else ["poisson", "wor", "full", "cyclic"]
+        )
+        sampling = draw(st.sampled_from(choices), label="sampling")
+    options = {
+        "sampling": sampling,
+        "lr": draw(st.sampled_from([0.05, 0.2])),
+        "clip": draw(st.sampled_from([0.5, 1.0])),
+    }
+    if sampling == "full":
+        batch = n
+        config["relation"] = draw(st.sampled_from([REPLACE_ONE, ADD_REMOVE]), label="relation")
+    elif sampling == "cyclic":
+        batch = draw(st.sampled_from([b for b in range(1, n + 1) if n % b == 0]), label="batch")
+        options["batch_size"] = batch
+    else:
+        batch = options["batch_size"] = _batch(draw, edge, n)
+    if sampling == "poisson":
+        config["relation"] = draw(st.sampled_from([ADD_REMOVE, REPLACE_ONE]), label="relation")
+        if config["relation"] == REPLACE_ONE:
+            options["accountant"] = "pld"  # the RDP accountant has no Poisson sampling under replace-one
+    options["steps"] = _steps(draw, edge, per_pass=n // batch)
+    return {**config, "options": options}
+
+
+@st.composite
+def dpgd_configs(draw, edge: str | None = None) -> dict:
+    config = draw(dpsgd_configs(edge, sampling="full"))
+    del config["options"]["sampling"]  # DP-GD always uses the full batch
+    return config
+
+
+@st.composite
+def diff2_configs(draw, edge: str | None = None) -> dict:
+    clients = draw(st.integers(1, 3), label="clients")
+    sizes = tuple(draw(st.lists(st.integers(3, 6), min_size=clients, max_size=clients), label="sizes"))
+    shard = draw(st.integers(0, clients - 1), label="shard")
+    config = {"sizes": sizes, "shard": shard, **_shared(draw, edge, sizes[shard])}
+    rounds, restart = _schedule(draw, edge)
+    options = {
+        "rounds": rounds,
+        "restart": restart,
+        "lr": 0.1,
+        "clip1": draw(st.sampled_from([0.5, 1.0])),
+        "clip2": draw(st.sampled_from([0.5, 2.0])),
+    }
+    local = edge in ("rate-1", "batch-1") or draw(st.booleans(), label="bvr-l-sgd")
+    if local:
+        options.update(
+            routine="bvr-l-sgd",
+            local_steps=draw(st.integers(2, 3), label="local_steps"),
+            local_batch=_batch(draw, edge, min(sizes), "local_batch"),
+            clip3=1.0,
+        )
+    if edge == "radius-0":
+        config.update(features="zero", bias=False)
+    return {**config, "options": options}
+
+
+@st.composite
+def dpsgda_configs(draw, edge: str | None = None) -> dict:
+    n = draw(st.sampled_from([4, 6, 8]), label="n")
+    config = {"n": n, **_shared(draw, edge, n)}
+    full = edge != "batch-1" and draw(st.booleans(), label="full")
+    batch = n if full else _batch(draw, edge, n)
+    options = {
+        "sampling": "full" if full else "wor",
+        "batch_size": None if full else batch,
+        "steps": _steps(draw, edge, per_pass=n // batch),
+        "lr": 0.1,
+        "lr_y": 0.5,
+        "clip_x": draw(st.sampled_from([0.5, 1.0])),
+        "clip_y": draw(st.sampled_from([0.2, 0.5])),
+    }
+    return {**config, "options": options}
+
+
+@st.composite
+def private_diff_configs(draw, edge: str | None = None) -> dict:
+    n = draw(st.sampled_from([4, 6, 8]), label="n")
+    config = {"n": n, **_shared(draw, edge, n)}
+    full = edge not in ("batch-1", "one-pass") and draw(st.booleans(), label="full")
+    batch = n if full else _batch(draw, edge, n)
+    y_steps = draw(st.integers(1, 2), label="y_steps")
+    rounds, restart = _schedule(draw, edge)
+    if edge == "one-pass":  # every round reads y_steps + 1 batches
+        rounds = max(1, n // (batch * (y_steps + 1)))
+    options = {
+        "sampling": "full" if full else "wor",
+        "batch_size": None if full else batch,
+        "rounds": rounds,
+        "restart": restart,
+        "y_steps": y_steps,
+        "lr": 0.1,
+        "lr_y": 0.5,
+        "clip0": draw(st.sampled_from([0.2, 0.5])),
+        "clip1": draw(st.sampled_from([0.5, 1.0])),
+        "clip2": 1.0,
+        "clip3": draw(st.sampled_from([0.0, 0.05]), label="clip3"),
+    }
+    if edge == "radius-0":
+        options.update(lr=TINY_LR, clip3=0.0)
+    return {**config, "options": options}
+
+
+def _spider_batches(draw, edge: str | None, n: int, count: int) -> tuple[int, ...]:
+    """A batch size per stream, distinct (``n >= count``) so that a size given to the wrong stream shows."""
+    if edge in ("rate-1", "batch-1"):
+        return (_batch(draw, edge, n),) * count
+    return tuple(draw(st.permutations(range(1, n + 1)), label="batch sizes")[:count])
+
+
+@st.composite
+def double_spider_configs(draw, edge: str | None = None) -> dict:
+    n = draw(st.sampled_from([4, 6, 8]), label="n")
+    config = {"n": n, **_shared(draw, edge, n)}
+    steps, epoch = _schedule(draw, edge)
+    options = {
+        "divergence": draw(st.sampled_from(["chi2", "kl"]), label="divergence"),
+        "lam": 1.0,
+        "steps": steps,
+        "epoch_size": epoch,
+        "batch_sizes": _spider_batches(draw, edge, n, 4),
+        "lr": 0.1,
+        "lr_eta": 0.1,
+        "max_move": 1.0,
+        "clip1": 0.5,
+        "clip2": (1.0, 1.0),
+        "clip3": 0.5,
+        "clip4": (1.0, 1.0),
+        "eta0": draw(st.sampled_from([0.0, 3.0]), label="eta0"),
+    }
+    if edge == "radius-0":
+        config.update(features="zero", bias=False)
+        options.update(lr_eta=TINY_LR, eta0=3.0)  # a tiny step is lost to rounding only next to an O(1) eta
+    return {**config, "options": options}
+
+
+@st.composite
+def recursive_spider_configs(draw, edge: str | None = None) -> dict:
+    n = draw(st.sampled_from([4, 6, 8]), label="n")
+    config = {"n": n, **_shared(draw, edge, n)}
+    steps, epoch = _schedule(draw, edge)
+    options = {
+        "rho": 0.5,
+        "lam0": 0.1,
+        "lam_init": 1.0,
+        "steps": steps,
+        "epoch_size": epoch,
+        "batch_sizes": _spider_batches(draw, edge, n, 4),
+        "lr": 0.1,
+        "lr_lam": 0.05,
+        "beta": draw(st.sampled_from([0.5, 1.0]), label="beta"),
+        "loss_bound": 10.0,
+        "clip1": 0.5,
+        "clip2": 1.0,
+        "clip3": 0.5,
+        "clip4": 1.0,
+    }
+    if edge == "radius-0":
+        config.update(features="zero", bias=False)
+        options.update(lr_lam=TINY_LR)
+    return {**config, "options": options}
+
+
+CONFIGS = {
+    "DP-SGD": dpsgd_configs,
+    "DP-GD": dpgd_configs,
+    "DIFF2": diff2_configs,
+    "DP-SGDA": dpsgda_configs,
+    "PrivateDiff": private_diff_configs,
+    "Double-SPIDER": double_spider_configs,
+    "Recursive-SPIDER": recursive_spider_configs,
+}
+EDGE_CASES = [pytest.param(name, edge, id=f"{name}-{edge}") for name in CONFIGS for edge in APPLIES[name]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_accounting():
+    """RDP curves memoised across the many short runs. dp_accounting logs a warning for each fractional order
+    it drops from a Poisson curve; the harness reads no epsilon, so they are noise here."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    with harness.memoised_rdp():
+        yield
+    absl.setLevel(level)
+
+
+def _lockstep(name: str, config: dict) -> harness.Outcome | None:
+    """The lockstep run of ``config``, or ``None`` where the library refuses an add/remove configuration it
+    cannot account (a refusal is a correct answer; any other ``ValueError`` is a bug in the strategies)."""
+    try:
+        return harness.lockstep(ALGORITHMS[name], config)
+    except ValueError as refused:
+        assert config["relation"] == ADD_REMOVE, f"refused {config}: {refused}"
+        return None
+
+
+# ---- sensitivity ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@given(data=st.data())
+@GENERATED
+def test_every_release_stays_within_its_charged_sensitivity(name, data):
+    """Noise off, on ``A``'s released history: each release on ``D'`` is within ``sigma / z`` (add/remove) or
+    ``2 sigma / z`` (replace-one) of the same release on ``D``, with the same ``sigma``."""
+    outcome = _lockstep(name, data.draw(CONFIGS[name](), label="config"))
+    if outcome is not None:
+        harness.assert_within_sensitivity(outcome)
+
+
+@pytest.mark.parametrize(("name", "edge"), EDGE_CASES)
+@given(data=st.data())
+@PINNED
+def test_edge_configurations_keep_sensitivity_and_accounting(name, edge, data):
+    """Each edge of the configuration space (see :data:`EDGES`), with the rest generated."""
+    outcome = _lockstep(name, data.draw(CONFIGS[name](edge), label="config"))
+    if outcome is None:
+        return
+    harness.assert_within_sensitivity(outcome)
+    harness.assert_accounting_matches(ALGORITHMS[name], outcome)
+    if edge == "radius-0":
+        assert any(c.sigma == 0 for c in outcome.comparisons), "no release had a zero radius"
+
+
+def test_full_batch_under_add_remove_is_refused_or_private():
+    """Under add/remove the dataset size is private. A full-batch mean divided by ``n`` then moves by up to
+    ``2C/(n+1)`` when a record is added (its own ``C/(n+1)`` plus every other record's share shrinking by
+    ``1/(n(n+1))``), beyond the ``C/n`` charged, and a noise std divided by ``n`` tells the datasets apart.
+    The worst case is ``n`` records whose clipped gradients all oppose the added one's. Refusing the
+    configuration (``ValueError``) is a fix; otherwise the release must stay within ``C/n``, with the same
+    ``sigma``."""
+    n, config = 8, {"seed": 0, "relation": ADD_REMOVE, "options": {"lr": 0.1, "clip": 1.0, "steps": 2}}
+    (x, y), (added_x, added_y) = harness.REGRESSION.opposed(harness.REGRESSION.model(True))
+    original = (x.repeat(n, 1), y.repeat(n))
+    pair = harness.Neighbours(
+        ADD_REMOVE,
+        original,
+        (torch.cat([original[0], added_x[None]]), torch.cat([original[1], added_y[None]])),
+        0,
+        n,
+    )
+    for name, options in (("DP-GD", {}), ("DP-SGD", {"sampling": "full"})):
+        case = {**config, "options": {**config["options"], **options}}
+        try:
+            outcome = harness.lockstep(ALGORITHMS[name], case, pair)
+        except ValueError:
+            continue
+        harness.assert_within_sensitivity(outcome)
+
+
+# ---- accounting -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@given(data=st.data())
+@GENERATED
+def test_the_accountant_charges_what_was_released(name, data):
+    """Per stream: one charge per release (for the record read most often), the noise multiplier the bound
+    used, and the batch size, population and sampling rate that were actually drawn."""
+    outcome = _lockstep(name, data.draw(CONFIGS[name](), label="config"))
+    if outcome is not None:
+        harness.assert_accounting_matches(ALGORITHMS[name], outcome)
+
+
+# ---- tightness ------------------------------------------------------------------------------------------
+# fmt: off
+TIGHT_CASES = {  # configurations whose adversarial record attains each tight stream's worst case
+    "DP-SGD": {"n": 6, "options": {"sampling": "wor", "batch_size": 3, "steps": 2, "lr": 0.1, "clip": 0.5}},
+    "DP-GD": {"n": 6, "options": {"steps": 2, "lr": 0.1, "clip": 0.5}},
+    "DIFF2": {"sizes": (4, 6), "shard": 0,
+              "options": {"rounds": 3, "restart": 2, "lr": 0.1, "clip1": 0.5, "clip2": 1.0}},
+    "DP-SGDA": {"n": 6, "options": {"sampling": "wor", "batch_size": 3, "steps": 2, "lr": 0.1, "lr_y": 0.5,
+                                    "clip_x": 0.5, "clip_y": 0.2}},
+    "PrivateDiff": {"n": 6, "options": {"sampling": "wor", "batch_size": 3, "rounds": 3, "restart": 2,
+                                        "y_steps": 1, "lr": 0.1, "lr_y": 0.5, "clip0": 0.2, "clip1": 0.5,
+                                        "clip2": 1.0, "clip3": 0.05}},
+    "Double-SPIDER": {"n": 6, "options": {"divergence": "chi2", "lam": 1.0, "steps": 3, "epoch_size": 2,
+                                          "batch_sizes": (3, 3, 3, 3), "lr": 0.1, "lr_eta": 0.1,
+                                          "max_move": 1.0, "clip1": 0.5, "clip2": (1.0, 1.0), "clip3": 0.5,
+                                          "clip4": (1.0, 1.0), "eta0": 3.0}},
+    "Recursive-SPIDER": {"n": 6, "options": {"rho": 0.5, "lam0": 0.1, "lam_init": 1.0, "steps": 3,
+                                             "epoch_size": 2, "batch_sizes": (3, 3, 3, 3), "lr": 0.1,
+                                             "lr_lam": 0.05, "beta": 1.0, "loss_bound": 10.0, "clip1": 0.5,
+                                             "clip2": 1.0, "clip3": 0.5, "clip4": 1.0}},
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("name", sorted(TIGHT_CASES))
+def test_an_adversarial_record_attains_the_charged_sensitivity(name):
+    """The bound check is one-sided: a stream charged more than its sensitivity passes it while wasting
+    privacy. For the streams where a record can be built to attain the worst case, the observed move must
+    reach a good part of the charge (exactly 1 for clipped gradients; ``sqrt(2)/2`` where the two records'
+    clipped gradients are orthogonal rather than opposite)."""
+    config = {"seed": 0, "index": 1, "adversary": "opposed", "relation": REPLACE_ONE, **TIGHT_CASES[name]}
+    outcome = _lockstep(name, config)
+    harness.assert_within_sensitivity(outcome)
+    ratios = outcome.ratios()
+    loose = {s: ratios.get(s, 0.0) for s in ALGORITHMS[name].tight if not ratios.get(s, 0.0) > TIGHTNESS}
+    assert not loose, f"charged at least twice what the worst record moves (moved / charged): {loose}"
+
+
+# ---- resume ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@given(data=st.data())
+@settings(GENERATED, max_examples=2)
+def test_a_resumed_run_releases_what_the_uninterrupted_run_releases(name, data):
+    """Checkpoint after some steps, rebuild, load, continue, noise on: the releases, batches and accountant
+    after the resume point are bit-identical to the uninterrupted run's."""
+    config = data.draw(CONFIGS[name](), label="config")
+    spec = ALGORITHMS[name]
+    original = harness.neighbours(spec.task, config).original
+    try:
+        total = spec.build(original, config).total_steps
+    except ValueError as refused:
+        assert config["relation"] == ADD_REMOVE, f"refused {config}: {refused}"
+        reject()
+    assume(total >= 2)
+    at = data.draw(st.integers(1, total - 1), label="resume after")
+    problems = harness.resume_differences(spec, config, original, at)
+    assert not problems, "\n".join(problems)
+
+
+# ---- phased output perturbation -------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", ["sc", "c"])
+@given(index=st.integers(0, 11), adversary=st.sampled_from(["opposed", "negated"]))
+@settings(GENERATED, max_examples=3)
+def test_phased_output_perturbation_within_its_certified_sensitivity(setting, index, adversary):
+    """Each phase releases a certified solution plus noise; on the original's released history, a replaced
+    record moves the released point by at most the certified replace-one sensitivity, and the accountant
+    charges one release per run (the phases read disjoint chunks)."""
+    options = {"mu": 0.05, "phases": 3} if setting == "c" else {}
+    config = {
+        "setting": setting,
+        "n": 12,
+        "index": index,
+        "seed": 0,
+        "adversary": adversary,
+        "l2": 0.3 if setting == "sc" else 0.0,
+        "options": options,
+    }
+    result, comparisons, releases = harness.phased_lockstep(config)
+    found = [v for c in comparisons if (v := c.violation()) is not None]
+    assert not found, "\n".join(found)
+    problems = harness.phased_accounting_problems(result, releases)
+    assert not problems, "\n".join(problems)
+
+
+# ---- the harness itself ---------------------------------------------------------------------------------
+def test_the_harness_flags_a_release_beyond_its_charge(monkeypatch):
+    """A harness that cannot fail proves nothing: DP-SGD whose per-sample clipping is broken must be
+    flagged, and so must a release the accountant did not charge."""
+    config = {
+        "n": 6,
+        "seed": 0,
+        "index": 1,
+        "adversary": "opposed",
+        "relation": REPLACE_ONE,
+        "options": {"sampling": "wor", "batch_size": 3, "steps": 2, "lr": 0.1, "clip": 0.5},
+    }
+    outcome = _lockstep("DP-SGD", config)
+    harness.assert_within_sensitivity(outcome)
+    outcome.releases.append(dataclasses.replace(outcome.releases[-1]))  # a release nobody charged
+    with pytest.raises(AssertionError, match="3 release.* the accountant charges 2"):
+        harness.assert_accounting_matches(ALGORITHMS["DP-SGD"], outcome)
+
+    clipped_sum = ClippedGradients.sum
+
+    def unclipped_sum(self, inputs, targets, clip, *args, **kwargs):
+        return clipped_sum(self, inputs, targets, 1e12, *args, **kwargs)
+
+    monkeypatch.setattr(ClippedGradients, "sum", unclipped_sum)
+    outcome = _lockstep("DP-SGD", config)
+    with pytest.raises(AssertionError, match="break their charged sensitivity"):
+        harness.assert_within_sensitivity(outcome)
+    assert max(outcome.ratios().values()) > 1e3
