@@ -1,5 +1,6 @@
 """The audit: its statistics, every algorithm's bound below its claim, and power against broken variants."""
 
+import inspect
 import json
 import logging
 import math
@@ -18,10 +19,23 @@ from dpvr.audit import (
     one_run_lower_bound,
     threshold_lower_bound,
 )
-from dpvr.audit.targets import diff2_gd, double_spider, dp_gd, dp_sgda, private_diff, recursive_spider
+from dpvr.audit.targets import (
+    diff2_gd,
+    double_spider,
+    double_spider_difference,
+    double_spider_eta,
+    dp_gd,
+    dp_sgda,
+    private_diff,
+    private_diff_difference,
+    recursive_spider,
+    recursive_spider_difference,
+    recursive_spider_s,
+    recursive_spider_u,
+)
 from dpvr.cli import main
 from dpvr.grads import per_sample_grads_at_two_points
-from dpvr.optim import DIFF2, DPGD
+from dpvr.optim import DIFF2, DPGD, DoubleSpider, PrivateDiff, RecursiveSpider
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence chatter
 
@@ -45,6 +59,9 @@ def test_threshold_bound_is_valid_and_has_power_on_gaussians():
     assert same.epsilon < 0.3
     apart = threshold_lower_bound(rng.normal(4, 1, 2000), rng.normal(size=2000), delta=0.0, rng=rng)
     assert 3.0 < apart.epsilon < 8.0  # 4-GDP; a thousand evaluation runs per side cap the bound
+    # 0.9-GDP is (2.0, 0.01)-DP: a threshold chosen by its plug-in rates lands in a tail and bounds ~0.
+    near = threshold_lower_bound(rng.normal(0.9, 1, 2000), rng.normal(size=2000), delta=0.01, rng=rng)
+    assert 0.6 < near.epsilon < 2.0
 
 
 def test_one_run_bound():
@@ -58,11 +75,21 @@ def test_one_run_bound():
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_every_algorithm_audits_below_its_claim(name):
-    sampled = ("dp-sgd", "diff2-bvr-l-sgd", "recursive-spider")
+    sampled = (
+        "dp-sgd",
+        "diff2-bvr-l-sgd",
+        "recursive-spider",
+        "recursive-spider-difference",
+        "recursive-spider-u",
+    )
     trials = 60 if name in sampled else 200  # sampled accounting is the slow part
     result = audit(TARGETS[name].make(), trials, seed=5)
     assert 0 < result.claimed_epsilon < 2.5
     assert result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+DOUBLE_SPIDER = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
+RECURSIVE_SPIDER = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s")
 
 
 @pytest.mark.parametrize(
@@ -72,10 +99,18 @@ def test_every_algorithm_audits_below_its_claim(name):
         (private_diff, ("checkpoint", "y"), 2 * 2 / 8),
         (double_spider, ("eta-refresh", "x-refresh"), 2 * 2 / 8),
         (recursive_spider, ("v-refresh", "u-refresh", "s"), 2 / 8),  # one step; the score is the estimator
+        # Difference steps and dual variables: each audited release, over its radius, moves by 2 / n.
+        (private_diff_difference, ("checkpoint", "difference", "y"), 2 / 200),
+        (double_spider_difference, DOUBLE_SPIDER, 2 / 200),
+        (double_spider_eta, DOUBLE_SPIDER, 2 * 2 / 200),  # the eta refresh and the eta difference
+        (recursive_spider_difference, RECURSIVE_SPIDER, 2 / 200),
+        (recursive_spider_u, RECURSIVE_SPIDER, 2 / 200),
+        (recursive_spider_s, ("v-refresh", "u-refresh", "s"), 1.0),  # s = C5 against 0
     ],
 )
 def test_white_box_canary_spends_the_whole_sensitivity(make, streams, expected):
-    # Without noise the two sides' scores differ by the canary's full replace-one sensitivity along e.
+    # Without noise the two sides' scores differ by the canary's full replace-one sensitivity along e
+    # (difference canaries: the difference clipped to +- its whole radius).
     game = make(**dict.fromkeys(streams, 1e-9))
     scores = [game.play(side, ops.NoiseGenerator(3, reproducible=True), 3, False)[0] for side in (0, 1)]
     assert scores[0] - scores[1] == pytest.approx(expected, rel=1e-6)
@@ -84,24 +119,44 @@ def test_white_box_canary_spends_the_whole_sensitivity(make, streams, expected):
 # ---- deliberately broken variants -------------------------------------------------------------------
 
 
-class HalvedNoise(DPGD):
-    """Adds half the noise it accounts for."""
+def quieter(cls, streams, factor):
+    """``cls`` adding ``factor`` times the noise it accounts for to ``streams`` (0: released unnoised)."""
 
-    def __init__(self, *args, noise_multiplier, **kwargs):
-        super().__init__(*args, noise_multiplier=noise_multiplier / 2, **kwargs)
-        self.accounted = {"gradient": noise_multiplier}
+    class Quieter(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.accounted = dict(self.noise)
+            for table in (self.noise, getattr(self, "sigma", None)):  # some algorithms noise from sigma
+                for stream in streams if table is not None else ():
+                    table[stream] *= factor
 
-    def _admit(self, stream):
-        return self.plan.step(stream, self.accounted)
+        def _admit(self, name):
+            return self.plan.step(name, self.accounted)
+
+    return Quieter
 
 
-class SkippedClipping(DPGD):
-    """Accounts for clipping at ``clip`` but passes the gradients through unclipped."""
+def unclipped(cls, method):
+    """``cls`` accounting for clipping but passing the sums of ``self.gradients.<method>`` unclipped."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        compute = self.gradients.sum
-        self.gradients.sum = lambda x, y, clip, out, **kw: compute(x, y, 1e30, out, **kw)
+    class Unclipped(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            compute = getattr(self.gradients, method)
+            signature = inspect.signature(compute)
+
+            def call(*a, **kw):
+                bound = signature.bind(*a, **kw)
+                bound.arguments["clip"] = 1e30
+                return compute(*bound.args, **bound.kwargs)
+
+            setattr(self.gradients, method, call)
+
+    return Unclipped
+
+
+HalvedNoise = quieter(DPGD, ("gradient",), 0.5)
+SkippedClipping = unclipped(DPGD, "sum")
 
 
 class LeakedGradient(DPGD):
@@ -159,9 +214,36 @@ def test_power_difference_on_different_samples():
     assert broken.epsilon_lower_bound > broken.claimed_epsilon
 
 
-def test_cli_json(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("make", "broken"),
+    [
+        (private_diff_difference, unclipped(PrivateDiff, "diff_sum")),
+        (double_spider_difference, unclipped(DoubleSpider, "diff_sum")),
+        (double_spider_eta, quieter(DoubleSpider, ("eta-refresh", "eta-difference"), 0.0)),
+        # A twentieth of the accounted noise. (Recursive-SPIDER's other records' differences move with their
+        # dual weights, so a wrong clip radius hides behind them; the one-record s stream is sampled, which
+        # makes its accounting, every run, slow.)
+        pytest.param(
+            recursive_spider_difference,
+            quieter(RecursiveSpider, ("v-difference",), 0.05),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            recursive_spider_u, quieter(RecursiveSpider, ("u-difference",), 0.05), marks=pytest.mark.slow
+        ),
+        (recursive_spider_s, quieter(RecursiveSpider, ("s",), 0.0)),
+    ],
+)
+def test_power_difference_and_dual_releases(make, broken):
+    # At a claim of epsilon = 1, 100 runs bound epsilon above 1.8 when the sides never overlap.
+    result = audit(make(epsilon=1.0, algorithm=broken), 100, seed=10)
+    assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+@pytest.mark.parametrize("name", ["dp-gd", "double-spider-eta"])
+def test_cli_json(name, tmp_path, capsys):
     out = tmp_path / "audit.json"
-    assert main(["audit", "dp-gd", "--trials", "40", "--seed", "1", "--json", str(out)]) == 0
+    assert main(["audit", name, "--trials", "40", "--seed", "1", "--json", str(out)]) == 0
     assert "audited lower bound" in capsys.readouterr().out
     record = json.loads(out.read_text())["records"][0]
     assert record["spent_epsilon"] == pytest.approx(2.0, rel=1e-3)

@@ -19,6 +19,15 @@ import numpy as np
 from scipy import optimize, stats
 
 
+def _upper(successes: np.ndarray, trials: int, alpha: float) -> np.ndarray:
+    """One-sided Clopper–Pearson upper bounds (level ``1 - alpha``) on the rates ``successes / trials``."""
+    successes = np.asarray(successes)
+    upper = np.ones(successes.shape)
+    below = successes < trials
+    upper[below] = stats.beta.ppf(1 - alpha, successes[below] + 1, trials - successes[below])
+    return upper
+
+
 def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, float]:
     """One-sided Clopper–Pearson bounds ``(lower, upper)`` on a binomial rate, each holding with
     probability at least ``1 - alpha``."""
@@ -27,10 +36,7 @@ def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, f
     if not 0 < alpha < 1:
         raise ValueError(f"alpha: must be in (0, 1), got {alpha}")
     lower = 0.0 if successes == 0 else float(stats.beta.ppf(alpha, successes, trials - successes + 1))
-    upper = (
-        1.0 if successes == trials else float(stats.beta.ppf(1 - alpha, successes + 1, trials - successes))
-    )
-    return lower, upper
+    return lower, float(_upper(np.array([successes]), trials, alpha)[0])
 
 
 def epsilon_from_rates(fpr: float, fnr: float, delta: float) -> float:
@@ -59,19 +65,25 @@ class ThresholdBound:
     trials: int
 
 
-def _best_threshold(inside: np.ndarray, outside: np.ndarray, delta: float) -> tuple[float, int]:
-    """The threshold and orientation with the largest plug-in epsilon (with a one-count floor on false
-    positives, so that a threshold beyond every observed score is not chosen for its zero empirical FPR)."""
+def _best_threshold(inside: np.ndarray, outside: np.ndarray, delta: float, alpha: float) -> tuple[float, int]:
+    """The threshold and orientation whose test has the largest bound on these runs, computed as it will be
+    on the evaluation runs: from Clopper–Pearson upper bounds (level ``1 - alpha``) on both error rates.
+
+    Bounding the rates, not their plug-in estimates, keeps the choice off the tails, where one or two
+    observed false positives promise a large ratio that fresh runs do not keep. Candidates lie midway
+    between neighbouring scores, so a test that separates the two sides keeps a margin on both."""
     best = (-math.inf, 0.0, 1)
     for orientation in (1, -1):
         a, b = np.sort(orientation * inside), np.sort(orientation * outside)
-        t = np.unique(np.concatenate([a, b]))
+        u = np.unique(np.concatenate([a, b]))
+        t = np.concatenate([u[:1], (u[:-1] + u[1:]) / 2])
         tp = len(a) - np.searchsorted(a, t, side="left")
         fp = len(b) - np.searchsorted(b, t, side="left")
-        ratio = (1 - delta - (1 - tp / len(a))) / (np.maximum(fp, 1) / len(b))
-        k = int(np.argmax(ratio))
-        if ratio[k] > best[0]:
-            best = (float(ratio[k]), float(orientation * t[k]), orientation)
+        fpr, fnr = _upper(fp, len(b), alpha), _upper(len(a) - tp, len(a), alpha)
+        value = np.log(np.maximum(1 - delta - fnr, 1e-300) / fpr)
+        k = int(np.argmax(value))
+        if value[k] > best[0]:
+            best = (float(value[k]), float(orientation * t[k]), orientation)
     return best[1], best[2]
 
 
@@ -98,11 +110,11 @@ def threshold_lower_bound(
     rng = rng if rng is not None else np.random.default_rng()
     inside, outside = rng.permutation(inside), rng.permutation(outside)
     ha, hb = len(inside) // 2, len(outside) // 2
-    threshold, orientation = _best_threshold(inside[:ha], outside[:hb], delta)
+    alpha = (1 - confidence) / 2
+    threshold, orientation = _best_threshold(inside[:ha], outside[:hb], delta, alpha)
     test_in, test_out = orientation * inside[ha:], orientation * outside[hb:]
     t = orientation * threshold
     fp, fn = int(np.sum(test_out >= t)), int(np.sum(test_in < t))
-    alpha = (1 - confidence) / 2
     fpr_u = clopper_pearson(fp, len(test_out), alpha)[1]
     fnr_u = clopper_pearson(fn, len(test_in), alpha)[1]
     return ThresholdBound(

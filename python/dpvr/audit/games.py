@@ -13,13 +13,21 @@ Canaries:
   ``x = G e`` with ``G`` far above every clip radius has gradient ``(t0 + t1 sign(w . e)) G e``, clipped to
   exactly the radius along ``e``: the canary spends the whole sensitivity in one known direction, and the
   score projects the released updates on it;
+- **difference canaries**: the ``|o|`` record (``t = (0, +-1)``) has gradient zero at ``w = 0`` and
+  ``+-G e`` once ``w . e > 0``. Started at ``w = 0``, with public drivers that push ``w . e`` up, it adds
+  nothing to a refresh and a same-sample difference of ``+-G e``, clipped to the whole difference radius,
+  to the next difference step. The estimators of functions of the loss (the DRO dual variables) get the
+  same from records whose loss values, ``+-G |w . e|`` or ``-+G w . e``, fall on either side of a clip
+  radius or of the loss cap. The score reads each audited release back from the released values
+  (:func:`gaussian_score`);
 - **input-space canaries** (:func:`input_canary_game`): an ordinary record (an outlier input with a chosen
   label) in an ordinary model; the score is the released model's logit on it, a black-box end-to-end check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,53 +97,161 @@ class AlgorithmGame:
         return float(self.score(trace, algorithm)), claimed
 
 
+StepSize = Callable[[Trace, Any, int], float]
+Release = tuple[str, float, float]  # (stream, the release read back from the run, its clip radius)
+_E = np.ones(1)  # the white-box games' one-parameter models: the canary direction e is +1
+
+
+def released(trace: Trace, key: str, initial: float) -> np.ndarray:
+    """A released scalar's trajectory: its public start ``initial``, then ``info[key]`` after each step."""
+    return np.array([initial, *(info[key] for info in trace.infos)], dtype=np.float64)
+
+
+def x_estimates(trace: Trace, algorithm: Any, e: np.ndarray, step_size: StepSize) -> np.ndarray:
+    """Each step's released x-estimator projected on ``e``: ``(x_t - x_{t+1}) . e / step_t``, with
+    ``step_size(trace, algorithm, t)`` the released step size of step ``t``."""
+    moves = np.diff(np.stack(trace.params), axis=0) @ -e
+    return np.array([m / step_size(trace, algorithm, t) for t, m in enumerate(moves)], dtype=np.float64)
+
+
 def descent_score(
-    direction: Sequence[float], step_size: Callable[[dict[str, float], Any], float] | None = None
+    direction: Sequence[float], step_size: StepSize | None = None
 ) -> Callable[[Trace, Any], float]:
     """``(x_0 - x_T) . e``: how far the run moved against ``e``, the canary's clipped gradient direction.
 
-    With ``step_size(info, algorithm)`` (the released step size of a step, from its information), each
-    step's move is divided by it first: the sum of the released estimators projected on ``e``."""
+    With ``step_size`` (see :func:`x_estimates`) each step's move is divided by it first: the sum of the
+    released estimators projected on ``e``."""
     e = np.asarray(direction, dtype=np.float64)
     e = e / np.linalg.norm(e)
 
     def score(trace: Trace, algorithm: Any) -> float:
         if step_size is None:
             return float((trace.params[0] - trace.params[-1]) @ e)
-        moves = np.diff(np.stack(trace.params), axis=0) @ -e
-        return float(sum(m / step_size(info, algorithm) for m, info in zip(moves, trace.infos)))
+        return float(x_estimates(trace, algorithm, e, step_size).sum())
 
     return score
 
 
-def diff2_score(n: int) -> Callable[[Trace, Any], float]:
-    """Likelihood-ratio score of DIFF2-GD on ``n`` records against the flip canary of
-    :func:`dpvr.audit.targets.diff2_gd`.
+def released_score(key: str) -> Callable[[Trace, Any], float]:
+    """The last step's ``info[key]``, for a value the algorithm releases with noise of its own stream."""
+    return lambda trace, _: float(trace.infos[-1][key])
 
-    Round ``r``'s estimator increment is recovered from released iterates, ``v_r = (x_{r-1} - x_r) / lr``
-    (restart rounds: ``v_r``; difference rounds: ``v_r - v_{r-1}``). Standardised by its noise std
-    (``sigma * radius``) it is a unit Gaussian whose mean the canary shifts by ``-1 / (sigma n)`` in restart
-    rounds (the canary's gradient at ``x_0`` points along ``-e``) and ``+1 / (sigma n)`` in difference rounds
-    (the difference ``g(x_r) - g(x_{r-1}) = 2 G e``). Weighting each by its shift gives the optimal linear
-    test of the white-box Gaussian model.
+
+def gaussian_score(
+    releases: Callable[[Trace, Any], Iterable[Release]], weights: Mapping[str, float]
+) -> Callable[[Trace, Any], float]:
+    """Likelihood-ratio score of the white-box Gaussian model of a run's audited releases.
+
+    ``releases(trace, algorithm)`` reads every noisy release back from released values as ``(stream,
+    value, radius)``: a refresh's estimate, or a difference step's increment of the estimator. In an
+    audited stream (a key of ``weights``) the canary's clipped term is ``+-radius`` and its neighbour's the
+    opposite, so ``value / radius`` is Gaussian with std ``z / b`` (``z`` the stream's noise multiplier,
+    ``b`` its batch size) and a mean the canary shifts by ``2 / b``. The optimal linear test weights each by
+    its shift over its variance: ``weights[stream]`` is the canary's sign over ``z^2`` (the audited streams
+    of a game share ``b``), from the noise the game configured, never from the algorithm under audit; the
+    other streams are left out.
     """
 
     def score(trace: Trace, algorithm: Any) -> float:
-        x = [p[0] for p in trace.params]
-        v_prev, total = 0.0, 0.0
-        for r, info in enumerate(trace.infos, 1):
-            v = (x[r - 1] - x[r]) / algorithm.lr
-            restart = bool(info["restart"])
-            stream = "restart" if restart else "difference"
-            std = algorithm.sigma[stream] * info["radius"]
-            if std > 0:
-                increment = v if restart else v - v_prev
-                sign = -1.0 if restart else 1.0
-                total += sign * increment / std / (algorithm.sigma[stream] * n)
-            v_prev = v
-        return total
+        return sum(
+            weights[stream] * value / radius
+            for stream, value, radius in releases(trace, algorithm)
+            if stream in weights and radius > 0
+        )
 
     return score
+
+
+def _increments(values: np.ndarray, refresh: Sequence[bool]) -> list[float]:
+    """What a recursive estimator's steps release: the estimate at a refresh, its change otherwise."""
+    return [v if fresh else v - p for v, p, fresh in zip(values, [0.0, *values[:-1]], refresh)]
+
+
+def round_releases(flag: str, streams: tuple[str, str]) -> Callable[[Trace, Any], list[Release]]:
+    """DIFF2-GD's and PrivateDiff's x-releases: ``v_r = (x_r - x_{r+1}) / lr`` read from the iterates;
+    ``info[flag]`` marks a refresh round (stream ``streams[0]``, else ``streams[1]``) and ``info["radius"]``
+    is released."""
+
+    def releases(trace: Trace, algorithm: Any) -> list[Release]:
+        refresh = [bool(info[flag]) for info in trace.infos]
+        v = x_estimates(trace, algorithm, _E, lambda _, alg, __: alg.lr)
+        return [
+            (streams[0] if fresh else streams[1], value, info["radius"])
+            for fresh, value, info in zip(refresh, _increments(v, refresh), trace.infos)
+        ]
+
+    return releases
+
+
+def _spider_releases(
+    refresh: Sequence[bool], estimators: Sequence[tuple[str, np.ndarray, Sequence[float]]]
+) -> list[Release]:
+    """``(name-refresh | name-difference, value, radius)`` of every step, for each ``(name, estimates,
+    radii)``."""
+    return [
+        (f"{name}-{'refresh' if fresh else 'difference'}", value, radius)
+        for name, values, radii in estimators
+        for fresh, value, radius in zip(refresh, _increments(values, refresh), radii)
+    ]
+
+
+def double_spider_releases(eta0: float) -> Callable[[Trace, Any], list[Release]]:
+    """Double-SPIDER's releases read back from its iterates (``eta0`` is the public start of eta):
+    ``g_t = (eta_t - eta_{t+1}) / lr_eta`` and ``v_t = (x_t - x_{t+1}) / beta_t`` with the released step
+    ``beta_t = min(lr, max_move / ||v_t||)``; the difference radii are recomputed from the released eta
+    iterates and moves, as the algorithm computes them."""
+
+    def releases(trace: Trace, alg: Any) -> list[Release]:
+        eta, infos = released(trace, "eta", eta0), trace.infos
+        refresh = [bool(info["refresh"]) for info in infos]
+        dx = [0.0, *(info["move"] for info in infos)]  # ||x_t - x_{t-1}|| at the start of step t
+        g = (eta[:-1] - eta[1:]) / alg.lr_eta
+        v = x_estimates(
+            trace, alg, _E, lambda _, a, t: min(a.lr, a.max_move / infos[t]["v"]) if infos[t]["v"] else a.lr
+        )
+        eta_radii = [
+            alg.clip1 if fresh else max(alg.clip2[0] * abs(eta[t] - eta[t - 1]), alg.clip2[1] * dx[t])
+            for t, fresh in enumerate(refresh)
+        ]
+        x_radii = [
+            alg.clip3 if fresh else max(alg.clip4[0] * abs(eta[t + 1] - eta[t]), alg.clip4[1] * dx[t])
+            for t, fresh in enumerate(refresh)
+        ]
+        return _spider_releases(refresh, [("eta", g, eta_radii), ("x", v, x_radii)])
+
+    return releases
+
+
+def recursive_spider_step(lam_init: float) -> StepSize:
+    """Recursive-SPIDER's released x-step ``lr lam_t / s'_t``, ``s'_t = max(s, s_floor)`` with the ``s`` that
+    step ``t`` released (``lam_init`` is the public start of lambda)."""
+
+    def step(trace: Trace, alg: Any, t: int) -> float:
+        lam = lam_init if t == 0 else trace.infos[t - 1]["lam"]
+        return alg.lr * lam / max(trace.infos[t]["s"], alg.s_floor)
+
+    return step
+
+
+def recursive_spider_releases(lam_init: float) -> Callable[[Trace, Any], list[Release]]:
+    """Recursive-SPIDER's v- and u-releases read back from its iterates: ``v_t`` from the x-step
+    (:func:`recursive_spider_step`) and, from the lambda-step (which must stay above ``lam0``: the
+    projection would hide ``u``), ``u_t = ((lam_t - lam_{t+1}) / lr_lam - log s'_t - rho) s'_t / lam_t``;
+    the difference radii are ``clip2 d_t`` and ``clip4 d_t`` with ``d_t = ||(x_t, lam_t) - (x_{t-1},
+    lam_{t-1})||``, from released values."""
+
+    def releases(trace: Trace, alg: Any) -> list[Release]:
+        lam, infos = released(trace, "lam", lam_init), trace.infos
+        s = np.maximum([info["s"] for info in infos], alg.s_floor)
+        refresh = [bool(info["refresh"]) for info in infos]
+        v = x_estimates(trace, alg, _E, recursive_spider_step(lam_init))
+        u = ((lam[:-1] - lam[1:]) / alg.lr_lam - np.log(s) - alg.rho) * s / lam[:-1]
+        d = [0.0, *(math.hypot(infos[t - 1]["move"], lam[t] - lam[t - 1]) for t in range(1, len(infos)))]
+        v_radii = [alg.clip1 if fresh else alg.clip2 * d[t] for t, fresh in enumerate(refresh)]
+        u_radii = [alg.clip3 if fresh else alg.clip4 * d[t] for t, fresh in enumerate(refresh)]
+        return _spider_releases(refresh, [("v", v, v_radii), ("u", u, u_radii)])
+
+    return releases
 
 
 def white_box_records(
@@ -145,9 +261,9 @@ def white_box_records(
     neighbour (``neighbour``; ``None`` removes it), records ``2 .. drivers + 1`` are linear drivers with
     gradient ``-G e`` (they push ``w . e`` up, which is public and the same on both sides), the rest have
     zero gradient (input 0). Record 1 and the last record stay zero records: a canary's neighbours in any
-    shifted pairing carry no gradient."""
-    if drivers > n - 3:
-        raise ValueError(f"drivers: at most n - 3 = {n - 3}, got {drivers}")
+    shifted pairing carry no gradient. ``n = 1`` is the canary alone."""
+    if not 0 <= drivers <= max(n - 3, 0):
+        raise ValueError(f"drivers: between 0 and n - 3 = {n - 3}, got {drivers}")
     inputs = torch.zeros(n, 1, dtype=torch.float64)
     targets = torch.zeros(n, 2, dtype=torch.float64)
     inputs[0, 0] = CANARY_SCALE

@@ -8,7 +8,7 @@ is one :data:`TARGETS` entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,16 +27,23 @@ from ..optim import (
     PrivateDiff,
     RecursiveSpider,
 )
+from ..privacy import PaperSigmas
+from ..privacy.calibration import calibrate
 from .games import (
     AlgorithmGame,
     CanaryMinimax,
     Game,
     canary_loss,
     descent_score,
-    diff2_score,
+    double_spider_releases,
+    gaussian_score,
     input_canary_data,
     logistic_loss,
     logit_score,
+    recursive_spider_releases,
+    recursive_spider_step,
+    released_score,
+    round_releases,
     scalar_model,
     white_box_records,
 )
@@ -56,13 +63,30 @@ class Target:
     trials: int = 4000
 
 
+FREE_SHARE = 0.01  # an unaudited stream's RDP budget, per unit of an audited stream's
+
+
 def _calibrated(
-    cls: type, build: Callable[..., Any], epsilon: float, delta: float, attribute: str = "noise"
+    cls: type,
+    build: Callable[..., Any],
+    epsilon: float,
+    delta: float,
+    attribute: str = "noise",
+    audited: Sequence[str] = (),
 ) -> dict[str, float]:
     """The noise the real algorithm calibrates for ``epsilon`` at this configuration (calibrated once), per
-    stream: its noise multipliers (``attribute="noise"``) or the paper's sigmas (``"sigma"``)."""
-    algorithm = build(cls, NoiseGenerator(), 0, epsilon=epsilon)
-    return dict(getattr(algorithm, attribute))
+    stream: its noise multipliers (``attribute="noise"``) or the paper's sigmas (``"sigma"``).
+
+    With ``audited`` streams the run's budget is split by the library's calibration with shares: each
+    other stream gets ``FREE_SHARE`` of an audited stream's share, so that the whole run's epsilon (the
+    claim an audit is compared with) is nearly that of the streams the canary is scored in. ``build`` then
+    takes an ``accountant`` override and names its own as ``build.accountant``."""
+    if not audited:
+        return dict(getattr(build(cls, NoiseGenerator(), 0, epsilon=epsilon), attribute))
+    plan = build(cls, NoiseGenerator(), 0, epsilon=epsilon, accountant="rdp").plan  # RDP: a fast probe
+    shares = {s: 1.0 if s in audited else FREE_SHARE for s in plan.streams}
+    noise = calibrate(plan, epsilon, delta, shares=shares, accountant=build.accountant)
+    return noise if attribute == "noise" else {s: plan.sigma(z, s) for s, z in noise.items()}
 
 
 def dp_gd(epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPGD, **noise: float) -> Game:
@@ -90,7 +114,7 @@ def dp_gd(epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = 
     return AlgorithmGame(
         "DP-GD",
         delta,
-        lambda side, gen, seed: build(algorithm, gen, seed, side, noise_multiplier=z),
+        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
         descent_score([1.0]),
     )
 
@@ -111,7 +135,7 @@ def dp_sgd(
             lr=1.0,
             clip=1.0,
             steps=2,
-            batch_size=len(x) // 2,
+            batch_size=len(data[0][0]) // 2,  # a public normaliser: the same without the canary
             sampling="poisson",
             delta=delta,
             accountant="rdp",
@@ -124,7 +148,7 @@ def dp_sgd(
     return AlgorithmGame(
         "DP-SGD",
         delta,
-        lambda side, gen, seed: build(algorithm, gen, seed, side, noise_multiplier=z),
+        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
         descent_score([1.0]),
     )
 
@@ -160,13 +184,16 @@ def _diff2(routine: str, epsilon: float, delta: float, algorithm: type, noise: d
         )
 
     sigma = noise or _calibrated(DIFF2, build, epsilon, delta, "sigma")
-    options = {
-        f"sigma{i}": sigma[s] for i, s in ((1, "restart"), (2, "difference"), (3, "local")) if s in sigma
-    }
+    options = {"noise": PaperSigmas(sigma)}
     # GD: the white-box likelihood-ratio score over both rounds. BVR-L-SGD: one round (restart, then a local
     # difference step); the restart pushes the canary's side up along e, so the final iterate is the score.
+    # The flip canary's clipped gradient points along -e at x_0 and its difference along +e.
+    signs = {"restart": -1.0, "difference": 1.0}
     score = (
-        diff2_score(n)
+        gaussian_score(
+            round_releases("restart", ("restart", "difference")),
+            {s: signs[s] / sigma[s] ** 2 for s in signs},  # the same unit for both: n P sigma is z
+        )
         if routine == "gd"
         else lambda trace, _: float(trace.params[-1][0] - trace.params[0][0])
     )
@@ -225,7 +252,7 @@ def dp_gd_input(
     return AlgorithmGame(
         "DP-GD (input canary)",
         delta,
-        lambda side, gen, seed: build(algorithm, gen, seed, side, noise_multiplier=z),
+        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
         logit_score(canary),
     )
 
@@ -249,60 +276,71 @@ def _white_box_game(
     keywords: Callable[[dict[str, float]], dict[str, Any]],
     score: Callable[..., float],
     attribute: str = "noise",
+    audited: Sequence[str] = (),
 ) -> Game:
     """A game on ``build(cls, generator, seed, side, **options)``: the noise is ``noise`` (per stream) or
-    what ``real`` calibrates for ``epsilon``; ``keywords`` turns it into the constructor's options."""
-    options = keywords(noise or _calibrated(real, build, epsilon, delta, attribute))
+    what ``real`` calibrates for ``epsilon`` (with the budget on the ``audited`` streams, see
+    :func:`_calibrated`); ``keywords`` turns it into the constructor's options."""
+    options = keywords(noise or _calibrated(real, build, epsilon, delta, attribute, audited))
     return AlgorithmGame(
         name, delta, lambda side, gen, seed: build(algorithm, gen, seed, side, **options), score
     )
 
 
-def _minimax(cls: type, delta: float, **config: Any) -> Callable[..., Any]:
-    def build(algorithm, generator, seed, side=0, **options):
-        x, y = _RECORDS[side]
-        return algorithm(
-            scalar_model(),
-            CanaryMinimax(),
-            x,
-            y,
-            lr=1.0,
-            lr_y=1.0,
-            batch_size=None,
-            sampling="full",
-            delta=delta,
-            accountant="pld",
-            generator=generator,
-            sampler_seed=seed,
-            **config,
-            **options,
-        )
+def _as_noise(noise: dict[str, float]) -> dict[str, Any]:
+    return {"noise": noise}
 
+
+def _as_paper_sigmas(sigma: dict[str, float]) -> dict[str, Any]:
+    return {"noise": PaperSigmas(sigma)}
+
+
+def _builder(model: Callable[[], Any], loss: Any, records: tuple, **config: Any) -> Callable[..., Any]:
+    """``build(algorithm, generator, seed, side=0, **options)``: ``algorithm`` on ``records[side]`` with a
+    fresh ``model()``, ``config`` and ``options`` (which may override ``config``); ``build.accountant`` is
+    the configured accountant."""
+
+    def build(algorithm, generator, seed, side=0, **options):
+        x, y = records[side]
+        settings = {**config, **options}
+        return algorithm(model(), loss, x, y, generator=generator, sampler_seed=seed, **settings)
+
+    build.accountant = config["accountant"]
     return build
+
+
+def _minimax(delta: float, records: tuple = _RECORDS, **config: Any) -> Callable[..., Any]:
+    return _builder(
+        scalar_model,
+        CanaryMinimax(),
+        records,
+        lr=1.0,
+        lr_y=1.0,
+        batch_size=None,
+        sampling="full",
+        delta=delta,
+        accountant="pld",
+        **config,
+    )
 
 
 def dp_sgda(
     epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPSGDA, **noise: float
 ) -> Game:
     """DP-SGDA, full batch, 2 steps; the canary's gradient is in x (noise per stream: ``x``, ``y``)."""
-    build = _minimax(DPSGDA, delta, steps=2, clip_x=1.0, clip_y=1.0)
-    names = {"x": "sigma_x", "y": "sigma_y"}
-    keywords = lambda sigma: {names[s]: v for s, v in sigma.items()}  # noqa: E731
+    build = _minimax(delta, steps=2, clip_x=1.0, clip_y=1.0)
     return _white_box_game(
-        "DP-SGDA", delta, DPSGDA, algorithm, build, epsilon, noise, keywords, descent_score([1.0]), "sigma"
-    )
+        "DP-SGDA", delta, DPSGDA, algorithm, build, epsilon, noise, _as_paper_sigmas, descent_score([1.0]),
+        "sigma",
+    )  # fmt: skip
 
 
 def private_diff(
     epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = PrivateDiff, **noise: float
 ) -> Game:
     """PrivateDiff, full batch, 2 checkpoint rounds (``restart=1``) of one y-ascent step and an x-step
-    each (noise per stream: ``checkpoint``, ``y``). Its difference rounds are not audited here."""
-    build = _minimax(
-        PrivateDiff, delta, rounds=2, restart=1, y_steps=1, clip0=1.0, clip1=1.0, clip2=1.0, clip3=0.0
-    )
-    names = {"checkpoint": "sigma_x1", "difference": "sigma_x2", "y": "sigma_y"}
-    keywords = lambda sigma: {names[s]: v for s, v in sigma.items()}  # noqa: E731
+    each (noise per stream: ``checkpoint``, ``y``). Its difference rounds: :func:`private_diff_difference`."""
+    build = _minimax(delta, rounds=2, restart=1, y_steps=1, clip0=1.0, clip1=1.0, clip2=1.0, clip3=0.0)
     return _white_box_game(
         "PrivateDiff",
         delta,
@@ -311,31 +349,30 @@ def private_diff(
         build,
         epsilon,
         noise,
-        keywords,
+        _as_paper_sigmas,
         descent_score([1.0]),
         "sigma",
     )
 
 
-def _spider(cls: type, delta: float, accountant: str, **config: Any) -> Callable[..., Any]:
-    def build(algorithm, generator, seed, side=0, **options):
-        x, y = _RECORDS[side]
-        return algorithm(
-            scalar_model(),
-            canary_loss,
-            x,
-            y,
-            batch_sizes=(len(x),) * 4,
-            lr=1.0,
-            delta=delta,
-            accountant=accountant,
-            generator=generator,
-            sampler_seed=seed,
-            **config,
-            **options,
-        )
-
-    return build
+def _spider(
+    delta: float,
+    accountant: str,
+    records: tuple = _RECORDS,
+    weight: float = 0.0,
+    lr: float = 1.0,
+    **config: Any,
+) -> Callable[..., Any]:
+    return _builder(
+        lambda: scalar_model(weight),
+        canary_loss,
+        records,
+        batch_sizes=(len(records[0][0]),) * 4,
+        lr=lr,
+        delta=delta,
+        accountant=accountant,
+        **config,
+    )
 
 
 def double_spider(
@@ -344,9 +381,8 @@ def double_spider(
     """Double-SPIDER (KL), full batches, 2 refresh steps (``epoch_size=1``). ``lam`` is large so the
     canary's dual weight ``exp((l - eta) / lam)`` stays near 1 and its clipped x-gradient at the full radius
     as x moves; ``max_move`` is out of reach, so the step is ``lr v`` (noise per stream: ``eta-refresh``,
-    ``x-refresh``). Its difference steps are not audited here."""
+    ``x-refresh``). Difference steps and eta: :func:`double_spider_difference`, :func:`double_spider_eta`."""
     build = _spider(
-        DoubleSpider,
         delta,
         "pld",
         divergence=KL(),
@@ -368,7 +404,7 @@ def double_spider(
         build,
         epsilon,
         noise,
-        lambda z: {"noise": z},
+        _as_noise,
         descent_score([1.0]),
     )
 
@@ -379,9 +415,9 @@ def recursive_spider(
     """Recursive-SPIDER, one refresh step (full batches; ``s`` from one sampled record, RDP accounting).
     With ``lam = lam0 = 1`` and the loss cap ``B = 1`` the canary's weight ``exp(-1)`` leaves its clipped
     x-gradient at the full radius; the x-step is ``lr (lam / s') v`` with the released ``s``, so the score
-    divides it out (noise per stream: ``v-refresh``, ``u-refresh``, ``s``). Difference steps not audited."""
+    divides it out (noise per stream: ``v-refresh``, ``u-refresh``, ``s``). Difference steps, ``u`` and
+    ``s``: :func:`recursive_spider_difference`, :func:`recursive_spider_u`, :func:`recursive_spider_s`."""
     build = _spider(
-        RecursiveSpider,
         delta,
         "rdp",
         rho=0.1,
@@ -397,7 +433,6 @@ def recursive_spider(
         clip3=1.0,
         clip4=1.0,
     )
-    step = lambda info, alg: alg.lr * alg.lam0 / max(info["s"], alg.s_floor)  # noqa: E731
     return _white_box_game(
         "Recursive-SPIDER",
         delta,
@@ -406,8 +441,249 @@ def recursive_spider(
         build,
         epsilon,
         noise,
-        lambda z: {"noise": z},
-        descent_score([1.0], step),
+        _as_noise,
+        descent_score([1.0], recursive_spider_step(1.0)),
+    )
+
+
+# ---- difference steps and the DRO dual variables -----------------------------------------------------
+# Two steps, full batches: a refresh, then a difference step. The difference canary of dpvr.audit.games
+# (the |o| record at w = 0, 190 drivers that move w to about +0.95 lr C in the refresh, far beyond its
+# noise) adds nothing to the refresh and a same-sample difference clipped to the whole radius to the
+# difference step. The score reads the audited streams' releases back from the run (gaussian_score). The
+# claim is the whole run's epsilon, every stream together; the unaudited streams' noise is calibrated to a
+# FREE_SHARE of the budget each, so that the claim is nearly the audited streams' own.
+
+_DRIVEN = white_box_records(200, canary=(0.0, 1.0), neighbour=(0.0, -1.0), drivers=190)
+
+
+def private_diff_difference(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = PrivateDiff, **noise: float
+) -> Game:
+    """PrivateDiff, a checkpoint round and a difference round (``restart=2``, one y-step each), the
+    difference canary in round 2's x-difference (noise per stream: ``checkpoint``, ``difference``, ``y``;
+    the y-gradients are public). The radius ``C2 ||x_2 - x_1||`` is released in the step's information."""
+    build = _minimax(
+        delta,
+        records=_DRIVEN,
+        rounds=2,
+        restart=2,
+        y_steps=1,
+        clip0=1.0,
+        clip1=1.0,
+        clip2=1.0,
+        clip3=0.0,
+    )
+    score = gaussian_score(round_releases("checkpoint", ("checkpoint", "difference")), {"difference": 1.0})
+    return _white_box_game(
+        "PrivateDiff (difference)",
+        delta,
+        PrivateDiff,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        _as_paper_sigmas,
+        score,
+        "sigma",
+        audited=("difference",),
+    )
+
+
+def double_spider_difference(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DoubleSpider, **noise: float
+) -> Game:
+    """Double-SPIDER (KL), the difference canary in the second step's x-difference. As in
+    :func:`double_spider`, ``lam`` is large (the canary's dual weight stays near 1, and its loss moves the
+    eta-difference by about 1% of that radius) and the step is ``lr v``; the x-difference radius is
+    ``||x_1 - x_0||`` (``clip4 = (1e-3, 1)``: eta's move is negligible)."""
+    build = _spider(
+        delta,
+        "pld",
+        records=_DRIVEN,
+        divergence=KL(),
+        lam=1e5,
+        steps=2,
+        epoch_size=2,
+        lr_eta=1.0,
+        max_move=1e9,
+        clip1=1.0,
+        clip2=(1.0, 1.0),
+        clip3=1.0,
+        clip4=(1e-3, 1.0),
+    )
+    return _white_box_game(
+        "Double-SPIDER (x-difference)",
+        delta,
+        DoubleSpider,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        _as_noise,
+        gaussian_score(double_spider_releases(0.0), {"x-difference": 1.0}),
+        audited=("x-difference",),
+    )
+
+
+_LINEAR = white_box_records(200, canary=(-1.0, 0.0), neighbour=(1.0, 0.0), drivers=190)
+
+
+def double_spider_eta(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DoubleSpider, **noise: float
+) -> Game:
+    """Double-SPIDER (KL, ``lam = 1``), a loss-value canary in both eta streams: the linear record with loss
+    ``-G w`` (neighbour: ``+G w``) from ``w = -0.005``. Its eta-term ``1 - exp(l - eta)`` is ``1 - e^5``
+    against ``1 - e^-5`` at the refresh, clipped to ``-C1`` against ``+C1`` (``C1 = 0.5``); the drivers then
+    move ``w`` to about ``+0.005``, where the terms change places, so the same-sample difference is clipped
+    to ``+`` against ``-`` the whole radius (``100 ||x_1 - x_0|| ~ 0.95``; ``lr_eta`` is small, so eta's move
+    and the refresh's leak through it are negligible). Both eta releases are scored with equal weights (the
+    default calibration gives them the same noise). The canary's x-gradient also leaks, at full
+    sensitivity, into the x-streams, which take a ``FREE_SHARE`` each and are not scored."""
+    build = _spider(
+        delta,
+        "pld",
+        records=_LINEAR,
+        weight=-0.005,
+        lr=0.01,
+        divergence=KL(),
+        lam=1.0,
+        steps=2,
+        epoch_size=2,
+        lr_eta=0.01,
+        max_move=1e9,
+        clip1=0.5,
+        clip2=(1.0, 100.0),
+        clip3=1.0,
+        clip4=(1.0, 1.0),
+    )
+    return _white_box_game(
+        "Double-SPIDER (eta)",
+        delta,
+        DoubleSpider,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        _as_noise,
+        gaussian_score(double_spider_releases(0.0), {"eta-refresh": -1.0, "eta-difference": 1.0}),
+        audited=("eta-refresh", "eta-difference"),
+    )
+
+
+def _recursive_spider_driven(delta: float, lr: float, bound: float, clip: float) -> Callable[..., Any]:
+    """Recursive-SPIDER on the driven records, ``lam = 1`` (``lam0 = 0.5``, ``lr_lam = 1e-5``: lambda
+    moves by about 1e-5, never onto ``lam0``) and ``s`` public in effect: ``beta = 1``, ``C5 = 1e-6`` and
+    ``s_floor = 1`` make ``s' = 1`` whatever ``s``'s noise, so the step is ``lr v``. The difference radii are
+    ``clip`` times the move, about ``0.95 lr clip``. The v- and u-streams are full-batch."""
+    return _spider(
+        delta,
+        "rdp",  # s samples one record: PLD has no sampling without replacement
+        records=_DRIVEN,
+        lr=lr,
+        rho=0.1,
+        lam0=0.5,
+        lam_init=1.0,
+        steps=2,
+        epoch_size=2,
+        lr_lam=1e-5,
+        beta=1.0,
+        loss_bound=bound,
+        clip1=1.0,
+        clip2=clip,
+        clip3=1.0,
+        clip4=clip,
+        clip5=1e-6,
+        s0=1.0,
+        s_floor=1.0,
+    )
+
+
+def recursive_spider_difference(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = RecursiveSpider, **noise: float
+) -> Game:
+    """Recursive-SPIDER, the difference canary in the second step's v-difference. With the loss cap
+    ``B = 1`` and ``|w_1| ~ 5e-4`` the canary's loss ``+-G |w_1| ~ +-0.5`` stays below the cap on both
+    sides, so its x-gradient ``exp((l - B) / lam) (+-G)`` is clipped to ``+-`` the radius (``s`` is sampled
+    from the 200 records: RDP accounting, the slow part of a run)."""
+    return _white_box_game(
+        "Recursive-SPIDER (v-difference)",
+        delta,
+        RecursiveSpider,
+        algorithm,
+        _recursive_spider_driven(delta, lr=5e-4, bound=1.0, clip=200.0),
+        epsilon,
+        noise,
+        _as_noise,
+        gaussian_score(recursive_spider_releases(1.0), {"v-difference": 1.0}),
+        audited=("v-difference",),
+    )
+
+
+def recursive_spider_u(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = RecursiveSpider, **noise: float
+) -> Game:
+    """Recursive-SPIDER, the difference canary in the second step's u-difference (lambda's gradient
+    estimator). The canary's term ``t e^-t / lam``, ``t = (B - min(l, B)) / lam``, is ``0.129`` at ``w = 0``
+    (``B = 0.15``) on both sides; at ``w_1 ~ 8.5e-4`` it is 0 (loss ``+0.85`` above the cap) against
+    about ``e^-1`` (loss ``-0.85``, ``t ~ 1``), so the difference, ``-0.129`` against ``+0.24``, is clipped
+    to ``-+`` the radius ``~ 0.085``."""
+    return _white_box_game(
+        "Recursive-SPIDER (u-difference)",
+        delta,
+        RecursiveSpider,
+        algorithm,
+        _recursive_spider_driven(delta, lr=9e-4, bound=0.15, clip=100.0),
+        epsilon,
+        noise,
+        _as_noise,
+        gaussian_score(recursive_spider_releases(1.0), {"u-difference": -1.0}),
+        audited=("u-difference",),
+    )
+
+
+_ALONE = white_box_records(1, canary=(0.0, 1.0), neighbour=(0.0, -1.0))
+
+
+def recursive_spider_s(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = RecursiveSpider, **noise: float
+) -> Game:
+    """Recursive-SPIDER, one step on the canary alone (``n = 1``: every stream full-batch, PLD accounting)
+    from ``w = 1``, where the ``|o|`` record's loss ``+-G`` is far above the cap ``B = 1`` or far below it:
+    its inner value ``g = exp((min(l, B) - B) / lam)`` is 1 against ``exp(-1001) = 0``, while its x- and
+    lambda-gradients vanish on both sides. Only ``s`` carries the canary (``beta = 1``: ``s = clip_{C5}(g)
+    + noise``, ``C5`` against 0: the whole replace-one sensitivity ``(2 - beta) C5``); the score is the
+    released ``s``."""
+    build = _spider(
+        delta,
+        "pld",
+        records=_ALONE,
+        weight=1.0,
+        rho=0.1,
+        lam0=1.0,
+        lam_init=1.0,
+        steps=1,
+        epoch_size=1,
+        lr_lam=1.0,
+        beta=1.0,
+        loss_bound=1.0,
+        clip1=1.0,
+        clip2=1.0,
+        clip3=1.0,
+        clip4=1.0,
+        clip5=1.0,
+    )
+    return _white_box_game(
+        "Recursive-SPIDER (s)",
+        delta,
+        RecursiveSpider,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        _as_noise,
+        released_score("s"),
+        audited=("s",),
     )
 
 
@@ -462,6 +738,38 @@ TARGETS: dict[str, Target] = {
             "Recursive-SPIDER (KL-DRO), white-box gradient canary in x",
             recursive_spider,
             trials=1000,  # the sampled s-stream's RDP accounting, recorded every run, is the slow part
+        ),
+        Target(
+            "private-diff-difference",
+            "PrivateDiff, difference canary in a difference round's x-release",
+            private_diff_difference,
+        ),
+        Target(
+            "double-spider-difference",
+            "Double-SPIDER (KL-DRO), difference canary in the x-difference step",
+            double_spider_difference,
+        ),
+        Target(
+            "double-spider-eta",
+            "Double-SPIDER (KL-DRO), loss-value canary in the dual eta's refresh and difference",
+            double_spider_eta,
+        ),
+        Target(
+            "recursive-spider-difference",
+            "Recursive-SPIDER (KL-DRO), difference canary in the v-difference step",
+            recursive_spider_difference,
+            trials=1000,
+        ),
+        Target(
+            "recursive-spider-u",
+            "Recursive-SPIDER (KL-DRO), difference canary in lambda's u-difference step",
+            recursive_spider_u,
+            trials=1000,
+        ),
+        Target(
+            "recursive-spider-s",
+            "Recursive-SPIDER (KL-DRO), inner-value canary in the s (STORM) release",
+            recursive_spider_s,
         ),
     )
 }

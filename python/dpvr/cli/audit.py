@@ -3,6 +3,12 @@
 Runs the algorithm's canary game (see :mod:`dpvr.audit`) and prints the claimed epsilon (the algorithm's
 own accountant at the audited configuration), the audited lower bound and its confidence. A lower bound
 above the claim refutes it; a lower bound below it proves nothing about privacy.
+
+The claim is always the whole run's epsilon, every noise stream together. The audits of one stream (the
+difference steps and the DRO dual variables: ``private-diff-difference``, ``double-spider-difference``,
+``double-spider-eta``, ``recursive-spider-difference``, ``recursive-spider-u``, ``recursive-spider-s``)
+calibrate the other streams' noise to 1% of an audited stream's RDP budget each, so that the claim is
+nearly the audited stream's own.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     from ..audit import TARGETS
 
     p = commands.add_parser(
-        "audit", help="empirical lower bound on epsilon by the canary method", description=__doc__
+        "audit",
+        help="empirical lower bound on epsilon by the canary method",
+        description=__doc__,
+        epilog="algorithms:\n" + "\n".join(f"  {t.name:29} {t.help}" for t in TARGETS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("algorithm", choices=sorted(TARGETS), help="what to audit")
     p.add_argument("--epsilon", type=float, default=2.0, help="target epsilon the noise is calibrated to")
