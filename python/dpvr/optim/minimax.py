@@ -397,7 +397,7 @@ class PrivateDiff(MinimaxAlgorithm):
             s.zero_()
         if checkpoint:
             dropped += self._x_sum(batch, radius)
-        elif radius > 0:  # zero: x and y did not move, so every difference is exactly zero
+        elif radius > 0:  # a zero radius (x did not move, clip3 = 0) clips every difference to 0
             dropped += self.gradients.diff_sum(
                 self.inputs[batch],
                 self.targets[batch],
