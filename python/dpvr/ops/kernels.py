@@ -277,9 +277,11 @@ def noisy_update(
     key = None
     if sigma > 0:
         inputs = b""
-        if generator.bound:  # the noise key binds what the noise is added to
-            released = ([] if reset else vs) + ([] if sum is None else _as_list(sum, "sum"))
-            inputs = _digest(released, (float(scale), float(sigma), bool(reset)))
+        if generator.bound:
+            # The key binds the signal the noise hides: two draws meet only on bit-identical sums, where the
+            # releases differ by (v - v'), a function of earlier releases, and reveal nothing new.
+            signal = [] if sum is None else _as_list(sum, "sum")
+            inputs = _digest(signal, (float(scale), float(sigma), bool(reset)))
         key = generator.next_key(stream, inputs)
     _C.noisy_update(
         call.device,
@@ -304,16 +306,16 @@ def noisy_update(
 
 
 def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
-    """A digest of ``arrays``' values and ``scalars``: bit-identical inputs, and only those, give equal
-    digests (up to hash collisions). Host arrays are hashed whole; CUDA torch tensors are reduced on the
-    device to two position-weighted integer sums of their bits (which a change of any one element alters),
-    so only 16 bytes cross to the host."""
-    h = hashlib.blake2b(repr(scalars).encode(), digest_size=16)
+    """A SHA-256 digest of ``arrays``' values and ``scalars``: bit-identical inputs, and only those, give
+    equal digests. Host arrays are hashed in place; CUDA torch tensors are reduced on the device to two
+    position-weighted integer sums of their bits (which a change of any one element alters), so only 16
+    bytes cross to the host."""
+    h = hashlib.sha256(repr(scalars).encode())
     for a in arrays:
         described = view(a, "sum")
         if described.device == CPU:
-            host = a.detach().numpy() if described.framework == "torch" else a
-            h.update(np.ascontiguousarray(host).tobytes())
+            host = a.detach().numpy() if described.framework == "torch" else np.asarray(a)
+            h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
         elif described.framework == "torch":
             import torch
 
@@ -322,7 +324,7 @@ def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
             weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
             h.update(torch.stack([bits.sum(), (bits * weights).sum()]).cpu().numpy().tobytes())
         else:  # cupy
-            h.update(np.ascontiguousarray(a.get()).tobytes())
+            h.update(np.ascontiguousarray(a.get()).reshape(-1).view(np.uint8))
     return h.digest()
 
 

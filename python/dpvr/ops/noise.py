@@ -44,9 +44,10 @@ class NoiseGenerator:
 
     Binding (what the algorithms use): after :meth:`bind` with a run's context (a digest of every setting
     that shapes its releases), each key's seed is ``H(seed, context, inputs)``, where ``inputs`` is a digest
-    of what the release adds noise to (:func:`dpvr.ops.noisy_update` computes it). Two releases then share
-    noise only if they have the same seed, settings, stream, step *and* bit-identical inputs, i.e. only if
-    they are the same release: no replay, resume or reconfiguration can subtract one noise draw from another.
+    of the signal the release adds noise to (:func:`dpvr.ops.noisy_update` computes it). Two releases then
+    share noise only if they have the same seed, settings, stream, step *and* bit-identical signals, so their
+    difference is a function of earlier releases: no replay, resume or reconfiguration can subtract one
+    noise draw from another to expose a signal.
     """
 
     def __init__(self, seed: int | None = None, *, reproducible: bool = False) -> None:
