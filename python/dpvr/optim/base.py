@@ -77,8 +77,9 @@ class PrivateAlgorithm:
       shapes and dtypes, and a SHA-256 fingerprint of the private data; a load that differs is refused
       with a message naming every entry that differs;
     - noise cannot be reused by construction: the generator is bound to a digest of the binding, and every
-      noise key also depends on a digest of what that release adds noise to, so two releases share a noise
-      draw only if they are bit-identical (and then reveal nothing new).
+      noise key also depends on a digest of the signal that release adds noise to, so two releases share a
+      noise draw only if their signals are bit-identical (their difference is then a function of earlier
+      releases, and reveals nothing new).
 
     Not protected: a replay after a resume that is *not* bit-identical to the first run's release of the
     same step (the same settings and data on hardware that rounds differently) gets fresh noise, as it
