@@ -66,7 +66,9 @@ def test_resume_is_exact(tmp_path, kind):
     first.run(3, progress=False)
     path = tmp_path / "ckpt"
     first.save_checkpoint(path)
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary file left behind
+    # no temporary file left behind; the release journal is empty until a release follows the checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.releases"]
+    assert (tmp_path / "ckpt.releases").read_bytes() == b""
     resumed = make(kind)
     resumed.generator = dpvr.NoiseGenerator(seed=99, reproducible=True)  # the checkpoint must override it
     resumed.load_checkpoint(path)
@@ -122,7 +124,10 @@ def test_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fail)
     with pytest.raises(OSError):
         alg.save_checkpoint(path)
-    assert path.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert path.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.releases"]
+    # the journal still holds the release made since the old checkpoint
+    assert len((tmp_path / "ckpt.releases").read_bytes().splitlines()) == 1
 
 
 def test_budget_guard_holds_across_a_resume(tmp_path):

@@ -382,3 +382,25 @@ def test_one_sided_refresh_terms_are_charged_their_range():
     alg = _spider(RecursiveSpider, x, y, clip3=clip3)
     seen = _noise_stds_of_one_step(alg)
     assert seen["u-refresh"] == pytest.approx(alg.noise["u-refresh"] * clip3 / 2 / 12, rel=1e-15)
+
+
+def test_releases_after_a_checkpoint_are_charged_on_resume(tmp_path):
+    """A run writes a checkpoint, releases two more steps and crashes. Resuming from the checkpoint charges
+    those two releases (from the journal) on top of the two replayed ones."""
+    x, y = data()
+    path = tmp_path / "run.ckpt"
+    crashed = dp_gd(x, y)
+    crashed.run(2, progress=False)
+    crashed.save_checkpoint(path)
+    crashed.run(2, progress=False)  # released, then the process dies
+    resumed = dp_gd(x, y)
+    resumed.load_checkpoint(path)
+    assert resumed.steps_done == 2 and resumed.accountant.state_dict() == crashed.accountant.state_dict()
+    resumed.run(progress=False)  # the two replayed steps are charged again
+    six_steps = dp_gd(x, y, steps=6)
+    six_steps.run(progress=False)
+    assert resumed.privacy_spent().epsilon == pytest.approx(six_steps.privacy_spent().epsilon, rel=1e-9)
+    torch.testing.assert_close(list(resumed.params), list(crashed.params), rtol=0, atol=0)  # bit-identical
+    (tmp_path / "run.ckpt.releases").write_bytes(b'{"parts": {"gradient": 1.0}, "ev')  # torn mid-write
+    with pytest.raises(ValueError, match="release journal"):
+        dp_gd(x, y).load_checkpoint(path)

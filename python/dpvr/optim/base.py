@@ -25,7 +25,7 @@ from torch import nn
 
 from ..grads import trainable_parameters
 from ..ops import NoiseGenerator
-from ..privacy import Accountant, PrivacyReport
+from ..privacy import Accountant, PrivacyReport, event_from_dict, event_to_dict
 from ..privacy.calibration import calibrate
 from ..privacy.events import PaperSigmas, Plan
 from ..privacy.mechanism import noise_dict
@@ -79,13 +79,15 @@ class PrivateAlgorithm:
     - noise cannot be reused by construction: the generator is bound to a digest of the binding, and every
       noise key also depends on a digest of the signal that release adds noise to, so two releases share a
       noise draw only if their signals are bit-identical (their difference is then a function of earlier
-      releases, and reveals nothing new).
+      releases, and reveals nothing new);
+    - releases are not lost to a crash: after :meth:`save_checkpoint`, every release is journaled to disk
+      (:class:`ReleaseJournal`) before the next step, and :meth:`load_checkpoint` charges the journaled
+      releases; the steps that replay them are charged again as they run (conservatively, even when a
+      replay is bit-identical and so reveals nothing new).
 
-    Not protected: a replay after a resume that is *not* bit-identical to the first run's release of the
-    same step (the same settings and data on hardware that rounds differently) gets fresh noise, as it
-    must, but is not charged again: a checkpoint cannot know how many steps the first run released after it
-    was written. Resume on the machine that wrote the checkpoint, or charge such steps yourself. A state
-    holds the noise seed: keep it as confidential as the data.
+    Not protected: :meth:`load_state_dict` of an in-memory state has no journal, so releases made after
+    that state was taken are not charged; resume from checkpoint files. A state holds the noise seed: keep
+    it as confidential as the data.
     """
 
     name = "private-algorithm"
@@ -143,6 +145,7 @@ class PrivateAlgorithm:
             self.accountant.assume(assumption)
         self.generator = generator if generator is not None else NoiseGenerator()
         self.steps_done = 0
+        self._journal: ReleaseJournal | None = None  # releases since the last checkpoint file
 
     # ---- binding -------------------------------------------------------------------------------------
     def _data(self) -> Sequence[torch.Tensor] | str:
@@ -191,6 +194,8 @@ class PrivateAlgorithm:
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
         self.accountant.record(*admitted)
+        if self._journal is not None:
+            self._journal.append(*admitted)
 
     def privacy_spent(self, delta: float | None = None) -> PrivacyReport:
         """(epsilon, delta) of everything released so far, from the releases actually made."""
@@ -324,22 +329,77 @@ class PrivateAlgorithm:
         except BaseException:
             os.unlink(tmp)
             raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
+        _fsync_directory(directory)  # the rename itself survives a crash
+        self._journal = ReleaseJournal(path)
+        self._journal.start()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restores a :meth:`save_checkpoint` file; refuses (``ValueError``) a file that is truncated,
         altered, of another format version, of another algorithm or of a run with other settings
-        (:meth:`load_state_dict`), before changing anything."""
+        (:meth:`load_state_dict`), before changing anything.
+
+        The releases the earlier run made after writing the checkpoint (its release journal, ``path`` +
+        ``".releases"``) are charged to the restored accountant: they happened, and the steps that now
+        replay them are releases too (with fresh noise unless bit-identical), charged as they run."""
         state = read_checkpoint(path)
         if state.get("algorithm") != self.name:
             raise ValueError(
                 f"checkpoint {os.fspath(path)!r}: written by {state.get('algorithm')!r}, not {self.name}"
             )
+        journal = ReleaseJournal(path)
+        released = journal.read()
         self.load_state_dict(state)
+        for parts, event in released:
+            self.accountant.record(parts, event)
+        self._journal = journal
+
+
+class ReleaseJournal:
+    """The releases a run made since it wrote its checkpoint ``path``: one JSON line per release in
+    ``path + ".releases"``, each written and flushed to disk before the next step starts.
+
+    A crash after a release loses the in-memory accountant but not the journal, so a resume from the
+    checkpoint can charge what was released after it. :meth:`start` empties the journal when a new
+    checkpoint (which holds the accountant so far) has been written."""
+
+    def __init__(self, checkpoint: str | os.PathLike) -> None:
+        self.path = os.fspath(checkpoint) + ".releases"
+
+    def start(self) -> None:
+        with open(self.path, "wb") as f:
+            os.fsync(f.fileno())
+        _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+
+    def append(self, parts: Mapping[str, float] | str, event: Any) -> None:
+        line = json.dumps({"parts": parts, "event": event_to_dict(event)}, sort_keys=True) + "\n"
+        with open(self.path, "ab") as f:
+            f.write(line.encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[tuple[Any, Any]]:
+        """The journaled releases; none if there is no journal. A torn last line (a crash mid-write) is a
+        release that may have happened: it is refused rather than guessed."""
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            lines = f.read().splitlines()
+        try:
+            entries = [json.loads(line) for line in lines if line.strip()]
+            return [(e["parts"], event_from_dict(e["event"])) for e in entries]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"release journal {self.path!r}: unreadable; the releases after the checkpoint cannot be "
+                "charged, so the run cannot resume from it"
+            ) from None
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

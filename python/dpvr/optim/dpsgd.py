@@ -204,7 +204,10 @@ class DPSGD(PrivateAlgorithm):
         return admitted
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
-        self.accountant.record(*admitted, replace=self.last_iterate_only)
+        if not self.last_iterate_only:
+            return super()._record(admitted)
+        # Only the last iterate is released, at the end: a crashed run released nothing to journal.
+        self.accountant.record(*admitted, replace=True)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
