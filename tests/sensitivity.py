@@ -872,12 +872,11 @@ def resume_differences(spec: Algorithm, config: Config, data: Data, at: int) -> 
         for step in range(1, at + 1):
             before.step = step
             first.step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "run.ckpt")
+    with tempfile.TemporaryDirectory() as tmp, Tape(noise=True).running() as after:
+        path = os.path.join(tmp, "run.ckpt")  # with its release journal, written as the resumed run steps
         first.save_checkpoint(path)
         resumed = spec.build(data, config)
         resumed.load_checkpoint(path)
-    with Tape(noise=True).running() as after:
         for step in range(at + 1, resumed.total_steps + 1):
             after.step = step
             resumed.step()

@@ -155,4 +155,5 @@ def test_the_added_noise_has_the_calibrated_scale():
         noise = released - block
         sigma = result.phases[0].sigma[name]
         assert abs(noise.mean()) < 4 * sigma / math.sqrt(d)
-        assert noise.std() == pytest.approx(sigma, rel=0.1)
+        # the sample std of d = 300 draws has a relative sd of 1/sqrt(2d) = 4 %: 20 % is five of them
+        assert noise.std() == pytest.approx(sigma, rel=0.2)

@@ -81,7 +81,7 @@ class PrivateAlgorithm:
       noise draw only if their signals are bit-identical (their difference is then a function of earlier
       releases, and reveals nothing new);
     - releases are not lost to a crash: after :meth:`save_checkpoint`, every release is journaled to disk
-      (:class:`ReleaseJournal`) before the next step, and :meth:`load_checkpoint` charges the journaled
+      (:class:`ReleaseJournal`) before it is made, and :meth:`load_checkpoint` charges the journaled
       releases; the steps that replay them are charged again as they run (conservatively, even when a
       replay is bit-identical and so reveals nothing new).
 
@@ -179,7 +179,9 @@ class PrivateAlgorithm:
 
     # ---- privacy -------------------------------------------------------------------------------------
     def _admit(self, stream: str) -> tuple[Any, Any]:
-        """The accounting of one release of ``stream``; raises if it would exceed the budget."""
+        """The accounting of one release of ``stream``; raises if it would exceed the budget. After a
+        checkpoint the release is journaled here, before it happens (a release that then fails is charged
+        on resume all the same: conservative)."""
         parts, event = self.plan.step(stream, self.noise)
         if self.epsilon_budget is not None and self.accountant.would_exceed(
             parts, event, self.epsilon_budget, self.delta
@@ -190,12 +192,12 @@ class PrivateAlgorithm:
                 f"{self.epsilon_budget:g} at delta={self.delta:g} (spent so far: epsilon={spent:.4g} "
                 f"after {self.steps_done} steps)"
             )
+        if self._journal is not None:
+            self._journal.append(parts, event)
         return parts, event
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
         self.accountant.record(*admitted)
-        if self._journal is not None:
-            self._journal.append(*admitted)
 
     def privacy_spent(self, delta: float | None = None) -> PrivacyReport:
         """(epsilon, delta) of everything released so far, from the releases actually made."""
@@ -356,7 +358,7 @@ class PrivateAlgorithm:
 
 class ReleaseJournal:
     """The releases a run made since it wrote its checkpoint ``path``: one JSON line per release in
-    ``path + ".releases"``, each written and flushed to disk before the next step starts.
+    ``path + ".releases"``, written and flushed to disk before the release is made (a write-ahead log).
 
     A crash after a release loses the in-memory accountant but not the journal, so a resume from the
     checkpoint can charge what was released after it. :meth:`start` empties the journal when a new
