@@ -266,39 +266,6 @@ def neighbours(task: Task, config: Config) -> Neighbours:
     return Neighbours(relation, pair[0], pair[1], shard, index)
 
 
-# ---- speed ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def memoised_rdp() -> Iterator[None]:
-    """Memoises dp_accounting's RDP curves of subsampled Gaussians, pure functions of ``(q, z, orders)``.
-
-    The harness rebuilds an accountant before every step (``_restore``) and each one prices its events
-    afresh; a sampled-without-replacement curve costs a quarter of a second, which would dominate the run.
-    These are private functions of dp_accounting: where a version lacks one, it is left alone (slower).
-    """
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
-    names = ("_compute_rdp_sample_wor_gaussian", "_compute_rdp_poisson_subsampled_gaussian")
-    originals = {name: getattr(rdp, name) for name in names if hasattr(rdp, name)}
-    cache: dict[tuple[Any, ...], Any] = {}
-
-    def memoised(name: str) -> Callable[..., Any]:
-        def curve(q: float, noise_multiplier: float, orders: Sequence[float]) -> Any:
-            key = (name, float(q), float(noise_multiplier), tuple(np.atleast_1d(orders).tolist()))
-            if key not in cache:
-                cache[key] = originals[name](q, noise_multiplier, orders)
-            return np.copy(cache[key])
-
-        return curve
-
-    for name in originals:
-        setattr(rdp, name, memoised(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(rdp, name, original)
-
-
 # ---- the factory table: every algorithm's construction, in one place --------------------------------------
 def _seeds(config: Config) -> dict[str, Any]:
     seed = int(config["seed"])

@@ -285,14 +285,13 @@ EDGE_CASES = [pytest.param(name, edge, id=f"{name}-{edge}") for name in CONFIGS 
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _fast_accounting():
-    """RDP curves memoised across the many short runs. dp_accounting logs a warning for each fractional order
-    it drops from a Poisson curve; the harness reads no epsilon, so they are noise here."""
+def _quiet_accounting():
+    """dp_accounting logs a warning for each fractional order it drops from a Poisson curve; the harness
+    reads no epsilon, so they are noise here."""
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
-    with harness.memoised_rdp():
-        yield
+    yield
     absl.setLevel(level)
 
 

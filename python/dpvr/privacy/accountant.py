@@ -16,6 +16,7 @@ additive per-stream decomposition at a given delta.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
@@ -117,6 +118,41 @@ def _parts(stream: StreamSpec) -> tuple[tuple[str, float], ...]:
     return tuple((k, w / total) for k, w in weights.items())
 
 
+_CURVES: OrderedDict[tuple[str, str, tuple[float, ...]], tuple[np.ndarray | None, bool]] = OrderedDict()
+_CURVES_KEPT = 4096
+
+
+def _rdp_curve(
+    event: dpa.DpEvent, neighbouring: str, orders: tuple[float, ...]
+) -> tuple[np.ndarray | None, bool]:
+    """RDP of one release over ``orders``, and whether it is exact (else a proxy used only for shares).
+
+    A pure function of its arguments, cached for the process: every accountant (a restored one, each run of
+    an audit) prices a release it has seen before for free. A sampled-without-replacement curve otherwise
+    costs a quarter of a second. The cached arrays are read-only."""
+    key = (repr(event), neighbouring, orders)
+    if key in _CURVES:
+        _CURVES.move_to_end(key)
+        return _CURVES[key]
+    exact_event = for_accountant(event, "rdp", neighbouring)
+    acc = make_accountant("rdp", neighbouring, orders)
+    if acc.supports(exact_event):
+        curve, exact = acc.compose(exact_event).rdp, True
+    else:
+        # Only reachable with the PLD accountant (Poisson sampling under replace-one): shares are measured
+        # on the add/remove curve of the same release with twice the sensitivity.
+        proxy = make_accountant("rdp", ADD_REMOVE, orders)
+        proxy_event = scale_noise(event, 0.5)
+        curve, exact = (proxy.compose(proxy_event).rdp if proxy.supports(proxy_event) else None), False
+    if curve is not None:
+        curve = np.array(curve, dtype=float)
+        curve.setflags(write=False)
+    _CURVES[key] = (curve, exact)
+    if len(_CURVES) > _CURVES_KEPT:
+        _CURVES.popitem(last=False)
+    return curve, exact
+
+
 class Accountant:
     """Records the releases of a running algorithm and converts them to ``(epsilon, delta)``.
 
@@ -148,7 +184,6 @@ class Accountant:
         self._ledger: list[_Entry] = []
         self._assumptions: list[str] = []
         self._failure = 0.0
-        self._curves: dict[str, tuple[np.ndarray | None, bool]] = {}
         self._stream_rdp: dict[str, np.ndarray] = {}
         self._total = np.zeros(len(self._orders))
         self._pld: dpa.PrivacyAccountant | None = None
@@ -246,20 +281,7 @@ class Accountant:
 
     def _curve(self, event: dpa.DpEvent) -> tuple[np.ndarray | None, bool]:
         """RDP of one release over the orders, and whether it is exact (else a proxy used only for shares)."""
-        key = repr(event)
-        if key not in self._curves:
-            exact_event = for_accountant(event, "rdp", self._neighbouring)
-            acc = make_accountant("rdp", self._neighbouring, self._orders)
-            if acc.supports(exact_event):
-                self._curves[key] = (acc.compose(exact_event).rdp, True)
-            else:
-                # Only reachable with the PLD accountant (Poisson sampling under replace-one): shares are
-                # measured on the add/remove curve of the same release with twice the sensitivity.
-                proxy = make_accountant("rdp", ADD_REMOVE, self._orders)
-                proxy_event = scale_noise(event, 0.5)
-                curve = proxy.compose(proxy_event).rdp if proxy.supports(proxy_event) else None
-                self._curves[key] = (curve, False)
-        return self._curves[key]
+        return _rdp_curve(event, self._neighbouring, self._orders)
 
     def _add(self, parts: tuple[tuple[str, float], ...], event: dpa.DpEvent, count: int) -> None:
         self._pld = None
