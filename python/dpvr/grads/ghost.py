@@ -362,8 +362,7 @@ class GhostClipper:
                  nonfinite: str = "zero") -> None:
         if norm_form not in ops.NORM_FORMS:
             raise ValueError(f"norm_form: must be one of {sorted(ops.NORM_FORMS)}, got {norm_form!r}")
-        if nonfinite not in ops.NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite: must be one of {sorted(ops.NONFINITE_POLICIES)}, got {nonfinite!r}")
+        ops.check_nonfinite(nonfinite)
         self.model, self.loss_fn, self.norm_form, self.nonfinite = model, loss_fn, norm_form, nonfinite
         self._named = trainable_parameters(model)
         dtypes = {p.dtype for _, p in self._named}

@@ -5,6 +5,7 @@ from .ghost import NORM_FORMS, IndexTerm, clip_factors, ghost_norms
 from .kernels import (
     NONFINITE_POLICIES,
     add_noise,
+    check_nonfinite,
     clip_accumulate,
     clip_accumulate_diff,
     noisy_update,
@@ -36,6 +37,7 @@ __all__ = [
     "PredictableNoiseError",
     "add_noise",
     "backends",
+    "check_nonfinite",
     "clip_accumulate",
     "clip_accumulate_diff",
     "clip_factors",

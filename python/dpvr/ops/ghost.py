@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from .. import _C
 from .arrays import ArrayView, view
-from .kernels import NONFINITE_POLICIES, Array, _Call, _device_name
+from .kernels import NONFINITE_POLICIES, Array, _Call, _device_name, check_nonfinite
 
 NORM_FORMS = {"auto": 0, "gram": 1, "direct": 2}
 
@@ -150,8 +150,7 @@ def clip_factors(
     ``norms_sq`` is float64. Non-finite samples: ``"zero"`` gives them factor 0 and norm NaN, ``"raise"``
     raises ``FloatingPointError`` before writing anything. Returns the number of non-finite samples.
     """
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite: must be one of {sorted(NONFINITE_POLICIES)}, got {nonfinite!r}")
+    check_nonfinite(nonfinite)
     if not isinstance(columns, int) or isinstance(columns, bool) or columns < 0:
         raise ValueError(f"columns: must be an integer >= 0, got {columns!r}")
     sq = _host_buffer(norms_sq, "norms_sq", None, "float64", writable=False)

@@ -22,6 +22,13 @@ Array = Any  # torch.Tensor | numpy.ndarray | cupy.ndarray
 NONFINITE_POLICIES = {"zero": 0, "raise": 1}
 
 
+def check_nonfinite(policy: str) -> str:
+    """``policy`` if it names a non-finite policy (``"zero"`` or ``"raise"``), else ``ValueError``."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite: must be one of {sorted(NONFINITE_POLICIES)}, got {policy!r}")
+    return policy
+
+
 def _as_list(arrays: Array | Sequence[Array], name: str) -> list[Array]:
     if isinstance(arrays, (list, tuple)):
         if not arrays:
@@ -126,8 +133,7 @@ def _clip(
     nonfinite: str,
     names: tuple[str, str],
 ) -> Any:
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite: must be one of {sorted(NONFINITE_POLICIES)}, got {nonfinite!r}")
+    check_nonfinite(nonfinite)
     call = _Call()
     g = _as_list(grads, "grads")
     batch = _batch_of(g, "grads")
@@ -281,7 +287,7 @@ def noisy_update(
             # The key binds the signal the noise hides: two draws meet only on bit-identical sums, where the
             # releases differ by (v - v'), a function of earlier releases, and reveal nothing new.
             signal = [] if sum is None else _as_list(sum, "sum")
-            inputs = _digest(signal, (float(scale), float(sigma), bool(reset)))
+            inputs = _digest(signal, (float(scale), float(sigma), bool(reset)), on_host=call.device == CPU)
         key = generator.next_key(stream, inputs)
     _C.noisy_update(
         call.device,
@@ -305,18 +311,17 @@ def noisy_update(
     return float(norm[0]) if call.device == CPU else norm
 
 
-def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
-    """A SHA-256 digest of ``arrays``' values and ``scalars``: bit-identical inputs, and only those, give
-    equal digests. Host arrays are hashed in place; CUDA torch tensors are reduced on the device to two
-    position-weighted integer sums of their bits (which a change of any one element alters), so only 16
-    bytes cross to the host."""
+def _digest(arrays: Sequence[Array], scalars: tuple, *, on_host: bool) -> bytes:
+    """A SHA-256 digest of ``arrays``' values (already validated by the caller) and ``scalars``:
+    bit-identical inputs, and only those, give equal digests. Host arrays are hashed in place; CUDA torch
+    tensors are reduced on the device to two position-weighted integer sums of their bits (which a change of
+    any one element alters), so only 16 bytes cross to the host."""
     h = hashlib.sha256(repr(scalars).encode())
     for a in arrays:
-        described = view(a, "sum")
-        if described.device == CPU:
-            host = a.detach().numpy() if described.framework == "torch" else np.asarray(a)
+        if on_host:
+            host = a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
             h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
-        elif described.framework == "torch":
+        elif hasattr(a, "detach"):  # torch
             import torch
 
             bits = a.detach().contiguous().reshape(-1)

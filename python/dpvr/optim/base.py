@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from ..grads import trainable_parameters
-from ..ops import NoiseGenerator
+from ..ops import NoiseGenerator, check_nonfinite
 from ..privacy import Accountant, PrivacyReport, event_from_dict, event_to_dict
 from ..privacy.calibration import calibrate
 from ..privacy.events import PaperSigmas, Plan
 from ..privacy.mechanism import noise_dict
-from .gradients import check_nonfinite
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 STATE_FORMAT = 2
@@ -132,12 +131,7 @@ class PrivateAlgorithm:
         elif isinstance(noise, PaperSigmas):
             noise = plan.noise_from_paper(noise)
         elif isinstance(noise, Mapping):
-            unknown = sorted(set(noise) - set(plan.stream_names))
-            if unknown:
-                raise ValueError(
-                    f"noise: {unknown} are not streams of {self.name} ({list(plan.stream_names)})"
-                )
-            noise = {k: v for k, v in noise.items() if k in plan.streams}  # streams without releases drop
+            noise = plan.streams_of_run(noise)
         self.noise = noise_dict(plan.streams, noise)
         self.epsilon_budget, self.delta = epsilon, delta
         self.accountant = Accountant(accountant, plan.neighbouring)
@@ -284,8 +278,8 @@ class PrivateAlgorithm:
         self._restore(state)
 
     def _restore(self, state: Mapping[str, Any]) -> None:
-        """Installs a :meth:`state_dict` without the binding checks of :meth:`load_state_dict`. Only for
-        tests that replay one run's history on a neighbouring dataset (the sensitivity harness)."""
+        """Installs a :meth:`state_dict`: the second half of :meth:`load_state_dict`, without its checks.
+        Called directly only by tests that replay one run's history on a neighbouring dataset."""
         try:
             generator = NoiseGenerator.from_state_dict(state["generator"])
             accountant = Accountant.from_state_dict(state["accountant"])

@@ -19,16 +19,11 @@ from ..grads import GhostClipper, per_sample_grads, per_sample_grads_at_two_poin
 MODES = ("auto", "ghost", "materialised")
 
 
-def check_nonfinite(policy: str) -> str:
-    if policy not in ops.NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite: must be one of {sorted(ops.NONFINITE_POLICIES)}, got {policy!r}")
-    return policy
-
-
 def finite_records(values: torch.Tensor, policy: str, what: str) -> tuple[torch.Tensor, int]:
     """``values`` (one row per record) with every row holding a non-finite entry zeroed, and their count.
 
-    The policy of the clip kernels, for released values computed outside them (Recursive-SPIDER's ``s``):
+    The policy of the clip kernels, for released values computed outside them (Recursive-SPIDER's ``s``,
+    the phased solvers' per-sample operators):
     under ``"zero"`` such a record contributes nothing, so it cannot move a release by more than the
     sensitivity; under ``"raise"`` it raises :class:`dpvr.ops.NonFiniteError` naming ``what``.
     """
@@ -64,8 +59,8 @@ class ClippedGradients:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"grad_mode: must be one of {MODES}, got {mode!r}")
-        check_nonfinite(nonfinite)
-        self.model, self.loss_fn, self.chunk_size, self.nonfinite = model, loss_fn, chunk_size, nonfinite
+        self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
+        self.nonfinite = ops.check_nonfinite(nonfinite)
         on_host = all(p.device.type == "cpu" for p in model.parameters())
         if mode == "ghost" and not on_host:
             raise ValueError("grad_mode='ghost': ghost clipping runs on the host only for now")

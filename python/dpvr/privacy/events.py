@@ -123,13 +123,17 @@ class Plan:
         averaged mean) as a noise multiplier; ``stream`` may be omitted when there is only one."""
         return _checks.positive("sigma", sigma) * self._unit(self._stream_name(stream))
 
-    def noise_from_paper(self, sigmas: Mapping[str, float]) -> dict[str, float]:
-        """Noise multipliers per stream from the paper's sigmas (see :class:`PaperSigmas`)."""
-        unknown = sorted(set(sigmas) - set(self.stream_names))
+    def streams_of_run(self, given: Mapping[str, float]) -> dict[str, float]:
+        """``given`` (per-stream settings) restricted to the streams with releases in this run; a name that
+        is no stream of the algorithm is refused."""
+        unknown = sorted(set(given) - set(self.stream_names))
         if unknown:
             raise ValueError(f"noise: {unknown} are not streams of this plan ({list(self.stream_names)})")
-        used = {name: sigma for name, sigma in sigmas.items() if name in self.streams}
-        return {name: self.noise_multiplier(sigma, name) for name, sigma in used.items()}
+        return {name: value for name, value in given.items() if name in self.streams}
+
+    def noise_from_paper(self, sigmas: Mapping[str, float]) -> dict[str, float]:
+        """Noise multipliers per stream from the paper's sigmas (see :class:`PaperSigmas`)."""
+        return {name: self.noise_multiplier(s, name) for name, s in self.streams_of_run(sigmas).items()}
 
     def sigma(self, noise_multiplier: float, stream: str | None = None) -> float:
         """Inverse of :meth:`noise_multiplier`."""

@@ -70,11 +70,10 @@ import dp_accounting as dpa
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ...ops import NoiseGenerator, add_noise
+from ...ops import NoiseGenerator, add_noise, check_nonfinite
 from ...privacy import Accountant, Phased, account, output_perturbation_multiplier
 from ...privacy.mechanism import noise_dict
 from ..base import _canonical
-from ..gradients import check_nonfinite
 from .problem import (
     BaseSolver,
     CertificateError,

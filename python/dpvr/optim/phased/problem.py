@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import torch
 
-from ...ops import NonFiniteError
+from ..gradients import finite_records
 
 # A point on a ball's boundary comes out of the projection with a norm within a few ulps of the radius.
 _BOUNDARY_RTOL = 1e-12
@@ -264,12 +265,8 @@ class PhaseProblem:
 
     def _finite(self, operators: np.ndarray) -> np.ndarray:
         """Per-sample operators under the non-finite policy: a non-finite row is zero, or an error."""
-        bad = ~np.isfinite(operators).all(axis=1)
-        if bad.any():
-            if self.nonfinite == "raise":
-                raise NonFiniteError(f"phased solver: {int(bad.sum())} record(s) have non-finite gradients")
-            operators = np.where(bad[:, None], 0.0, operators)
-        return operators
+        finite, _ = finite_records(torch.from_numpy(operators), self.nonfinite, "phased solver")
+        return finite.numpy()
 
     def public_operator(self, z: np.ndarray) -> np.ndarray:
         """Operator of the public part ``P`` (no data, not counted)."""
