@@ -99,6 +99,7 @@ class _Dpvr:
         self.prev_flat = [p.view(-1) for p in self.prev]
         self.v = [torch.zeros_like(p) for p in self.flat]
         self.generator = ops.NoiseGenerator()
+        self.generator.bind(b"bench")  # as the algorithms' generators are: each key hashes its release
         self.move = LR  # ||x_r - x_{r-1}||, updated by every step
 
     def _update(self, sums: list[Tensor], radius: float, *, reset: bool, stream: str) -> None:
