@@ -23,6 +23,7 @@ from dpvr.data import (
     train_test_split,
     unit_norm,
 )
+from neighbours import one_record_moved
 
 
 @pytest.mark.parametrize(("name", "shape", "task", "num_classes"), [
@@ -130,14 +131,6 @@ def test_split_public_holds_out_a_value_independent_share() -> None:
     np.testing.assert_array_equal(public_changed.features, public.features * 2 + 1)
 
 
-def _one_record_changed(data: Dataset, index: int) -> Dataset:
-    changed = data.subset(np.arange(len(data)))
-    changed.features[index] += 100.0
-    if data.task == "regression":
-        changed.targets[index] += 100.0
-    return changed
-
-
 def _rows(data: Dataset) -> np.ndarray:
     return np.column_stack([data.features, data.targets])
 
@@ -145,7 +138,7 @@ def _rows(data: Dataset) -> np.ndarray:
 @pytest.mark.parametrize("name", ["diabetes", "breast_cancer"])
 def test_public_scaling_moves_only_the_changed_private_record(name: str) -> None:
     public, private = split_public(load(name), seed=0)
-    changed = _one_record_changed(private, 3)
+    changed = one_record_moved(private, 3, 100.0)
     scale = PublicScaling.fit(public)
     differs = np.any(_rows(scale(private)) != _rows(scale(changed)), axis=1)
     assert np.flatnonzero(differs).tolist() == [3]
@@ -177,7 +170,8 @@ def test_declared_range_and_unit_norm_are_per_record() -> None:
     np.testing.assert_allclose(np.linalg.norm(normed.features, axis=1), 1.0)
     for transform in (DIGITS_RANGE, unit_norm):
         data = digits if transform is DIGITS_RANGE else wine
-        differs = np.any(transform(data).features != transform(_one_record_changed(data, 5)).features, axis=1)
+        moved = transform(one_record_moved(data, 5, 100.0))
+        differs = np.any(transform(data).features != moved.features, axis=1)
         assert np.flatnonzero(differs).tolist() == [5]
     zero = Dataset(np.zeros((2, 3)), np.zeros(2), "regression", "zeros")
     assert np.all(unit_norm(zero).features == 0)

@@ -13,15 +13,7 @@ import torch
 
 from dpvr.data import Dataset, load
 from dpvr.experiments import auc, diff2, dro, last_iterate, phased, td, transfer, wgan
-
-
-def _changed(data: Dataset, index: int) -> Dataset:
-    """``data`` with record ``index`` moved (its features, and its target for regression)."""
-    changed = data.subset(np.arange(len(data)))
-    changed.features[index] += 1.0
-    if data.task == "regression":
-        changed.targets[index] += 1.0
-    return changed
+from neighbours import one_record_moved
 
 
 def _indices(part: Dataset, whole: Dataset) -> list[int]:
@@ -38,7 +30,7 @@ def _assert_each_change_stays_in_its_record(
     before = np.asarray(private_rows(data))
     reached = 0
     for index in indices:
-        after = np.asarray(private_rows(_changed(data, index)))
+        after = np.asarray(private_rows(one_record_moved(data, index, 1.0)))
         moved = np.flatnonzero(np.any(after != before, axis=1))
         assert len(moved) <= 1, f"changing record {index} moved {len(moved)} private records"
         reached += len(moved)
