@@ -1,4 +1,4 @@
-"""The ``dpvr`` command line: ``dpvr account|calibrate|bench|experiment|audit``."""
+"""The ``dpvr`` command line: ``dpvr account|calibrate|bench|experiment|compare|audit``."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import account, audit, bench, experiment
+    from . import account, audit, bench, compare, experiment
 
     parser = argparse.ArgumentParser(
         prog="dpvr",
         description="dpvr: differential privacy with gradient-difference estimators. Privacy accounting and "
-        "noise calibration, benchmarks, the papers' experiments and privacy audits.",
+        "noise calibration, benchmarks, the papers' experiments and their comparisons, privacy audits.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
-    for module in (account, bench, experiment, audit):
+    for module in (account, bench, experiment, compare, audit):
         module.register(commands)
     return parser
 
