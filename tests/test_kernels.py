@@ -192,6 +192,33 @@ def test_nonfinite_policies(rng):
     assert dpvr.clip_accumulate(clean, 1.0, [np.zeros(5)], weights=w) == 1
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch", [9, 67])
+def test_wide_models_in_every_form(rng, dtype, batch):
+    """More than 8192 columns: few samples take the column-parallel schedule (norms added up across threads),
+    many the wide sample-parallel one (private accumulators); each form and the non-finite policy on both."""
+    shapes = [(90, 100), (100,), (7,)]
+    g, h = make(rng, batch, shapes, dtype), make(rng, batch, shapes, dtype)
+    g[0][3, 5, 7] = np.nan
+    w = rng.uniform(-2, 2, batch).astype(dtype)
+    a, b = rng.uniform(0, 2, batch).astype(dtype), rng.uniform(0, 2, batch).astype(dtype)
+    calls = [
+        (lambda out, norms: dpvr.clip_accumulate(g, 40.0, out, weights=w, norms=norms), dict(weights=w)),
+        (
+            lambda out, norms: dpvr.clip_accumulate_diff(g, h, 40.0, out, a=a, b=b, norms=norms),
+            dict(grads_prev=h, a=a, b=b),
+        ),
+    ]
+    for call, form in calls:
+        out, norms = zeros_like_params(g), np.zeros(batch, dtype)
+        assert call(out, norms) == 1
+        expected, expected_norms = ref_clip(g, 40.0, **form)
+        for o, e in zip(out, expected):  # entries of the clipped vectors scale with C
+            np.testing.assert_allclose(o, e, rtol=tol(dtype)["rtol"], atol=40.0 * tol(dtype)["atol"])
+        assert np.isnan(norms[3]) and np.isnan(expected_norms[3])
+        np.testing.assert_allclose(np.delete(norms, 3), np.delete(expected_norms, 3), **tol(dtype))
+
+
 def test_results_do_not_depend_on_layout_of_tensors(rng):
     """Splitting the same columns into different tensors changes nothing but summation order."""
     g = rng.standard_normal((100, 60))

@@ -3,15 +3,23 @@
 // files, so every instruction set computes bit-identical results.
 //
 // clip-accumulate reads the per-sample data from memory once: samples are processed in chunks small enough to
-// stay in cache, so the accumulation pass re-reads a chunk from cache right after its norms are known. Two
-// schedules:
-//   column-parallel: each thread owns a fixed column range of the concatenated tensors (no write conflicts,
-//                    deterministic for a given thread count) - for wide models;
-//   sample-parallel: each thread clips its own samples into a private accumulator that is reduced in a fixed
-//                    order - for narrow models with many samples.
+// stay in cache, so the accumulation pass re-reads a chunk from cache right after its norms are known. Every
+// schedule is deterministic for a given thread count:
+//   sample-parallel: each thread clips a fixed range of samples into a private accumulator (double for narrow
+//                    models; T for wide ones, where it must stay small), and the accumulators are reduced in a
+//                    fixed order. No thread waits for another until the end, which matters on a shared machine:
+//                    there a barrier costs a scheduler time slice whenever a core is busy with other work.
+//   column-parallel: each thread owns a fixed column range of the concatenated tensors and the threads meet at
+//                    a barrier per chunk to add up the norms - for few samples (or accumulators too large).
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
+
+#ifdef DPVR_ISA_AVX2
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 #include "dpvr/core.h"
@@ -27,7 +35,11 @@ namespace cpu {
 namespace DPVR_ISA {
 
 constexpr int64_t kCacheBudgetPerThread = 1536 * 1024;  // per-sample bytes per thread kept in cache between passes
-constexpr int64_t kNarrowColumns = 8192;               // at or below this, prefer the sample-parallel schedule
+constexpr int64_t kNarrowColumns = 8192;               // at or below this, sample-parallel with double accumulators
+constexpr int64_t kSamplesPerAccumulator = 8;         // wide sample-parallel: accumulators <= 1/8 of the input
+// Wide sample-parallel: bytes of whole samples per thread kept in the last-level cache between the passes. The
+// accumulator's tile stays in L1 across a chunk, so its cache traffic is divided by the samples in a chunk.
+constexpr int64_t kSampleChunkBytes = 4096 * 1024;
 constexpr int64_t kTile = 1024;                        // columns accumulated per tile (output tile stays in L1)
 constexpr int64_t kSerialBelow = 1 << 16;              // less work than this (elements) runs on one thread
 
@@ -223,8 +235,54 @@ int64_t run(const ClipArgs& args, bool write) {
     return nonfinite;
   }
 
-  // Column-parallel schedule over cache-sized chunks of samples.
   const int64_t bytes_per_sample = D * static_cast<int64_t>(sizeof(T)) * (Diff ? 2 : 1);
+  if (B >= kSamplesPerAccumulator * nt) {
+    // Wide sample-parallel schedule: chunks of whole samples, norms then accumulation into a private T vector.
+    const int64_t chunk = std::max<int64_t>(1, kSampleChunkBytes / std::max<int64_t>(1, bytes_per_sample));
+    std::vector<T> acc(accumulate ? static_cast<size_t>(nt) * D : 0, T(0));
+#pragma omp parallel reduction(+ : nonfinite) if (B * D >= kSerialBelow)
+    {
+      const int t = thread_id(), team = team_size();
+      std::vector<double> factors(chunk);
+      for (int64_t i0 = B * t / team, end = B * (t + 1) / team; i0 < end; i0 += chunk) {
+        const int64_t n_in = std::min(chunk, end - i0);
+        for (int64_t s = 0; s < n_in; ++s) {
+          const int64_t i = i0 + s;
+          double ss = 0.0;
+          for (int k = 0; k < K; ++k) ss += src.sumsq(k, i, 0, widths[k]);
+          double n;
+          clipper.factor(src, i, ss, weights ? static_cast<double>(weights[i]) : 1.0, factors[s], n);
+          if (std::isnan(n)) ++nonfinite;
+          if (write && norms) norms[i] = static_cast<T>(n);
+        }
+        if (!accumulate) continue;
+        T* mine = acc.data() + static_cast<size_t>(t) * D;
+        for (int k = 0; k < K; mine += widths[k++])
+          for (int64_t lo = 0; lo < widths[k]; lo += kTile) {
+            const int64_t hi = std::min(widths[k], lo + kTile);
+            for (int64_t s = 0; s < n_in; ++s)
+              if (factors[s] != 0.0) src.axpy(k, i0 + s, lo, hi, static_cast<T>(factors[s]), mine);
+          }
+      }
+    }
+    if (accumulate) {
+      // out_k += the threads' accumulators, added in thread order.
+      int64_t off = 0;
+      for (int k = 0; k < K; off += widths[k++]) {
+        T* out = static_cast<T*>(args.out[k].data);
+        const T* first = acc.data() + off;
+#pragma omp parallel for schedule(static) if (widths[k] * nt >= kSerialBelow)
+        for (int64_t j = 0; j < widths[k]; ++j) {
+          T sum = first[j];
+          for (int u = 1; u < nt; ++u) sum += first[static_cast<size_t>(u) * D + j];
+          out[j] += sum;
+        }
+      }
+    }
+    return nonfinite;
+  }
+
+  // Column-parallel schedule over cache-sized chunks of samples.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, kCacheBudgetPerThread * nt /
                                                                      std::max<int64_t>(1, bytes_per_sample)));
   std::vector<double> partial(2 * static_cast<size_t>(nt) * chunk, 0.0);
@@ -275,7 +333,149 @@ inline int64_t clip_accumulate(const ClipArgs& args, bool write) {
 }
 
 
-constexpr int64_t kNoiseTile = 4096;  // even, so a Gaussian pair never straddles two tiles
+// ---- Gaussian noise ----
+// Noise is generated a tile at a time: Philox blocks (the AVX2 copy evaluates four blocks per vector,
+// bit-identical to philox::block_at), their 53-bit uniforms (exactly philox::uniforms'), then Box-Muller:
+//   float64 noise: philox::box_muller, the math library's log, cos and sin - the reference transform, within
+//                  2 ulp of the CUDA backend's, and the one the statistical tests pin down;
+//   float32 noise: fast_box_muller below, the same formula with log, sin and cos inlined as fdlibm's
+//                  polynomials, so that the compiler vectorises it (the library calls cost 80 % of the
+//                  generator's time). It is within 3 ulp of the reference in double, so its float32 values are
+//                  the reference's rounded, except by one unit in the last place where the reference lies
+//                  within 3 double ulp of a float32 rounding boundary (about 1e-8 of the entries).
+constexpr int64_t kNoiseTile = 4096;  // elements; even, so a Gaussian pair never straddles two tiles
+constexpr int64_t kTilePairs = kNoiseTile / 2;
+
+// Per-thread buffers of one tile: Philox words (word k of pair p in w[k][p]), uniforms and Gaussians.
+struct NoiseScratch {
+  uint32_t w[4][kTilePairs];
+  double u1[kTilePairs], u2[kTilePairs];
+  double z[kNoiseTile];
+};
+
+// Philox blocks of pairs pair0 .. pair0 + n - 1, n a multiple of 4.
+inline void philox_blocks(const NoiseKey& key, uint64_t pair0, int64_t n, NoiseScratch& out) {
+#ifdef DPVR_ISA_AVX2
+  // Each 32-bit word in a 64-bit lane, so that _mm256_mul_epu32 gives the full 32 x 32 -> 64 products.
+  const __m256i low = _mm256_set1_epi64x(0xFFFFFFFF);
+  const __m256i m0 = _mm256_set1_epi64x(0xD2511F53), m1 = _mm256_set1_epi64x(0xCD9E8D57);
+  for (int64_t g = 0; g < n; g += 4) {
+    const __m256i pair = _mm256_add_epi64(_mm256_set1_epi64x(static_cast<int64_t>(pair0 + g)),
+                                          _mm256_setr_epi64x(0, 1, 2, 3));
+    __m256i c[4] = {_mm256_and_si256(pair, low), _mm256_srli_epi64(pair, 32), _mm256_set1_epi64x(key.step),
+                    _mm256_set1_epi64x(key.stream)};
+    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      const __m256i p0 = _mm256_mul_epu32(c[0], m0), p1 = _mm256_mul_epu32(c[2], m1);
+      c[0] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), c[1]), _mm256_set1_epi64x(k0));
+      c[1] = _mm256_and_si256(p1, low);
+      c[2] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), c[3]), _mm256_set1_epi64x(k1));
+      c[3] = _mm256_and_si256(p0, low);
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    // The low halves of the four 64-bit lanes, in order, as four 32-bit words.
+    const __m256i gather = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    for (int k = 0; k < 4; ++k)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(&out.w[k][g]),
+                       _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c[k], gather)));
+  }
+#else
+  for (int64_t p = 0; p < n; ++p) {
+    const philox::Block b = philox::block_at(key.seed, key.stream, key.step, pair0 + static_cast<uint64_t>(p));
+    for (int k = 0; k < 4; ++k) out.w[k][p] = b.w[k];
+  }
+#endif
+}
+
+// Bit casts (small functions, so that the compiler folds the copies and vectorises the loops using them).
+inline double from_bits(uint64_t bits) {
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+inline uint64_t to_bits(double d) {
+  uint64_t bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  return bits;
+}
+
+// The exact double of an integer below 2^52 (vectorises where an integer conversion would not).
+inline double small_integer(uint64_t x) { return from_bits(x | uint64_t{0x4330000000000000}) - 4503599627370496.0; }
+
+// philox::uniforms of pairs 0 .. n-1, with the same results.
+inline void uniforms(NoiseScratch& b, int64_t n) {
+  constexpr double two_m53 = 1.0 / 9007199254740992.0, two_26 = 67108864.0;
+#pragma omp simd
+  for (int64_t p = 0; p < n; ++p) {
+    const uint64_t a = (static_cast<uint64_t>(b.w[0][p]) << 21) ^ (b.w[1][p] >> 11);
+    const uint64_t c = (static_cast<uint64_t>(b.w[2][p]) << 21) ^ (b.w[3][p] >> 11);
+    // a, c < 2^53: their 26-bit halves convert exactly, and so does the recombined sum.
+    b.u1[p] = (small_integer(a >> 26) * two_26 + small_integer(a & 0x3FFFFFF) + 0.5) * two_m53;
+    b.u2[p] = (small_integer(c >> 26) * two_26 + small_integer(c & 0x3FFFFFF)) * two_m53;
+  }
+}
+
+// Box-Muller on the uniforms of pairs 0 .. n-1 with fdlibm's log (e_log.c) and its sin and cos kernels (k_sin.c,
+// k_cos.c) on [-pi/4, pi/4], after reducing t = 2 pi u2 (computed as in the reference) by k pi/2, pi/2 in three
+// parts (k <= 4, so the first two products are exact). Branch-free: selects let the loop vectorise.
+inline void fast_box_muller(const double* u1s, const double* u2s, double* z, int64_t n) {
+  constexpr double Lg1 = 6.666666666666735130e-01, Lg2 = 3.999999999940941908e-01, Lg3 = 2.857142874366239149e-01,
+                   Lg4 = 2.222219843214978396e-01, Lg5 = 1.818357216161805012e-01, Lg6 = 1.531383769920937332e-01,
+                   Lg7 = 1.479819860511658591e-01;
+  constexpr double ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
+  constexpr double S1 = -1.66666666666666324348e-01, S2 = 8.33333333332248946124e-03,
+                   S3 = -1.98412698298579493134e-04, S4 = 2.75573137070700676789e-06,
+                   S5 = -2.50507602534068634195e-08, S6 = 1.58969099521155010221e-10;
+  constexpr double C1 = 4.16666666666666019037e-02, C2 = -1.38888888888741095749e-03,
+                   C3 = 2.48015872894767294178e-05, C4 = -2.75573143513906633035e-07,
+                   C5 = 2.08757232129817482790e-09, C6 = -1.13596475577881948265e-11;
+  constexpr double pio2_1 = 1.57079632673412561417e+00, pio2_2 = 6.07710050630396597660e-11,
+                   pio2_2t = 2.02226624879595063154e-21, two_over_pi = 6.36619772367581382433e-01;
+  constexpr double round_magic = 6755399441055744.0;  // 1.5 * 2^52: (x + magic) - magic rounds x to an integer
+#pragma omp simd
+  for (int64_t p = 0; p < n; ++p) {
+    const double u1 = u1s[p], u2 = u2s[p];
+    // log(u1): u1 = 2^e m with m in [sqrt(1/2), sqrt(2)); u1 is a normal number in (0, 1).
+    const uint64_t bits = to_bits(u1);
+    double m = from_bits((bits & uint64_t{0x000FFFFFFFFFFFFF}) | uint64_t{0x3FF0000000000000});
+    const bool high = m > 1.4142135623730951;
+    m *= high ? 0.5 : 1.0;
+    const double e = small_integer(bits >> 52) - 1023.0 + (high ? 1.0 : 0.0);
+    const double f = m - 1.0, s = f / (2.0 + f), s2 = s * s, s4 = s2 * s2;
+    const double odd = s4 * (Lg2 + s4 * (Lg4 + s4 * Lg6)), even = s2 * (Lg1 + s4 * (Lg3 + s4 * (Lg5 + s4 * Lg7)));
+    const double hfsq = 0.5 * f * f;
+    const double log_u1 = e * ln2_hi - ((hfsq - (s * (hfsq + (even + odd)) + e * ln2_lo)) - f);
+    const double r = std::sqrt(-2.0 * log_u1);
+    // sin and cos of t in [0, 2 pi): t = k pi/2 + x, |x| <= pi/4.
+    const double t = 6.283185307179586476925286766559 * u2;
+    const double k = (t * two_over_pi + round_magic) - round_magic;
+    const double x = ((t - k * pio2_1) - k * pio2_2) - k * pio2_2t, x2 = x * x;
+    const double sin_x = x + x2 * x * (S1 + x2 * (S2 + x2 * (S3 + x2 * (S4 + x2 * (S5 + x2 * S6)))));
+    const double cos_tail = x2 * x2 * (C1 + x2 * (C2 + x2 * (C3 + x2 * (C4 + x2 * (C5 + x2 * C6)))));
+    const double half = 0.5 * x2, one_minus = 1.0 - half;
+    const double cos_x = one_minus + (((1.0 - one_minus) - half) + cos_tail);
+    const double q = k - (k >= 4.0 ? 4.0 : 0.0);  // quadrant
+    const bool swap = q == 1.0 || q == 3.0;
+    const double cos_sign = (q == 1.0 || q == 2.0) ? -1.0 : 1.0, sin_sign = q >= 2.0 ? -1.0 : 1.0;
+    z[2 * p] = r * (cos_sign * (swap ? sin_x : cos_x));
+    z[2 * p + 1] = r * (sin_sign * (swap ? cos_x : sin_x));
+  }
+}
+
+// The Gaussians of `pairs` (<= kTilePairs) pairs from pair0 into b.z[0 .. 2 * pairs) (and up to six more values:
+// whole groups of four pairs are generated).
+inline void gaussians(const NoiseKey& key, uint64_t pair0, int64_t pairs, bool fast, NoiseScratch& b) {
+  const int64_t n = (pairs + 3) / 4 * 4;
+  philox_blocks(key, pair0, n, b);
+  uniforms(b, n);
+  if (fast) {
+    fast_box_muller(b.u1, b.u2, b.z, n);
+    return;
+  }
+  for (int64_t p = 0; p < n; ++p) philox::box_muller(b.u1[p], b.u2[p], b.z[2 * p], b.z[2 * p + 1]);
+}
 
 template <typename T>
 void update(const UpdateArgs& a) {
@@ -291,24 +491,18 @@ void update(const UpdateArgs& a) {
 #pragma omp parallel if (D >= kSerialBelow)
   {
     const int t = thread_id(), team = team_size();
-    double z[kNoiseTile];
+    const std::unique_ptr<NoiseScratch> scratch(noise ? new NoiseScratch : nullptr);
     double sq = 0.0;
     for (int64_t tile = tiles * t / team; tile < tiles * (t + 1) / team; ++tile) {
       const int64_t lo = tile * kNoiseTile, hi = std::min(D, lo + kNoiseTile);
-      if (noise)
-        for (int64_t e = lo; e < hi; e += 2) {
-          double z0, z1;
-          philox::gaussian_pair(a.key.seed, a.key.stream, a.key.step, static_cast<uint64_t>(e) >> 1, z0, z1);
-          z[e - lo] = z0;
-          z[e - lo + 1] = z1;
-        }
+      if (noise) gaussians(a.key, static_cast<uint64_t>(lo) >> 1, (hi - lo + 1) / 2, sizeof(T) == 4, *scratch);
       int64_t base = lo;
       for (const Piece& p : pieces_of(widths, lo, hi)) {
         T* v = static_cast<T*>(a.v[p.k].data);
         const T* s = has_sum ? static_cast<const T*>(a.sum[p.k].data) : nullptr;
         T* x = step ? static_cast<T*>(a.x[p.k].data) : nullptr;
         T* xp = keep ? static_cast<T*>(a.x_prev[p.k].data) : nullptr;
-        const double* zp = z + (base - lo) - p.begin;
+        const double* zp = noise ? scratch->z + (base - lo) - p.begin : nullptr;
         for (int64_t j = p.begin; j < p.end; ++j) {
           double nv = a.reset ? 0.0 : static_cast<double>(v[j]);
           if (s) nv += a.scale * static_cast<double>(s[j]);
