@@ -421,11 +421,95 @@ def test_model_is_not_modified() -> None:
     assert not model._forward_hooks and all(not m._forward_hooks for m in model.modules())
 
 
+def forward_counter(model: nn.Module) -> list[int]:
+    """A one-element list counting the model's forward passes."""
+    count = [0]
+    model.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+@pytest.mark.parametrize("name", ["mlp", "mixed", "tokens"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reused_recordings_equal_recomputed_ones(name, backend) -> None:
+    """A DIFF2-GD sequence on one batch: the model's parameters move in place from point to point (as an
+    optimiser moves them) and each difference is taken against the previous point, which was recorded by
+    the previous call. With reuse, each call records only its new point; the results equal recomputation."""
+    model, x, y, loss_fn = build(name, torch.float64)
+    reference = GhostClipper(model, loss_fn, backend=backend)
+    ghost = GhostClipper(model, loss_fn, backend=backend, reuse_recording=True)
+    forwards = forward_counter(model)
+    points = [trainable(model)] + [moved(trainable(model), 0.1 * k) for k in (1, 2, 3)]
+    points = [[p.clone() for p in point] for point in points]
+
+    def set_point(point: list[Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(trainable(model), point):
+                p.copy_(v)
+
+    set_point(points[0])
+    got = ghost.clipped_sum(x, y, 1.0)
+    assert forwards[0] == 1
+    want = reference.clipped_sum(x, y, 1.0)
+    for g, w in zip(got.sums, want.sums):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for k in (1, 2, 3):
+        set_point(points[k])
+        forwards[0] = 0
+        got = ghost.clipped_diff_sum(x, y, trainable(model), points[k - 1], 0.5)
+        assert forwards[0] == 1, "the previous point's recording was not reused"
+        want = reference.clipped_diff_sum(x, y, trainable(model), points[k - 1], 0.5)
+        torch.testing.assert_close(got.norms, want.norms, **TOL[torch.float64])
+        torch.testing.assert_close(got.losses_b, want.losses_b, rtol=0, atol=0)
+        for g, w in zip(got.sums, want.sums):
+            torch.testing.assert_close(g, w, **TOL[torch.float64])
+
+
+def test_recordings_are_reused_only_for_the_same_data_point_and_state() -> None:
+    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.0), nn.Linear(8, 1)).double()
+    model.register_buffer("offset", torch.zeros(()))
+    frozen = nn.Parameter(torch.ones(1, dtype=torch.float64), requires_grad=False)
+    model.register_parameter("frozen", frozen)
+    x, y = torch.randn(BATCH, 5, dtype=torch.float64), torch.randn(BATCH, dtype=torch.float64)
+    ghost = GhostClipper(model, squared, reuse_recording=True)
+    forwards = forward_counter(model)
+    point = trainable(model)
+    previous = moved(point)
+
+    def forwards_of(call) -> int:
+        forwards[0] = 0
+        call()
+        return forwards[0]
+
+    def sum_at(inputs: Tensor, targets: Tensor, at: list[Tensor] = previous) -> None:
+        ghost.clipped_sum(inputs, targets, 1.0, params=at)
+
+    assert forwards_of(lambda: sum_at(x, y)) == 1
+    assert forwards_of(lambda: ghost.clipped_diff_sum(x, y, point, previous, 1.0)) == 1  # `previous` reused
+    assert forwards_of(lambda: sum_at(x, y, point)) == 0  # ... and the one at `point` kept
+    assert forwards_of(lambda: sum_at(x.clone(), y)) == 1  # equal values, another tensor: recorded
+    changes = [
+        lambda: x.add_(0.0),  # the inputs modified in place
+        lambda: y.mul_(1.0),
+        lambda: model.get_buffer("offset").add_(1.0),
+        lambda: frozen.detach().add_(0.0),
+        lambda: model.eval(),
+    ]
+    for change in changes:
+        sum_at(x, y, point)
+        change()
+        assert forwards_of(lambda: sum_at(x, y, point)) == 1, change
+    sum_at(x, y, point)
+    nudged = [p.clone() for p in point]
+    nudged[0][0, 0] = torch.nextafter(nudged[0][0, 0], torch.tensor(2.0, dtype=torch.float64))
+    assert forwards_of(lambda: sum_at(x, y, nudged)) == 1  # one bit apart
+    assert forwards_of(lambda: GhostClipper(model, squared).clipped_sum(x, y, 1.0)) == 1
+
+
 @pytest.mark.slow
 def test_step_benchmark_records() -> None:
     from dpvr.bench import step
 
-    records = step.run(quick=True, repeats=1)
+    records = step.run(cases=["mlp"], quick=True, repeats=1)
     methods = [r.method for r in records]
     assert methods[:1] == ["non-private"] and "dpvr-diff2-ghost" in methods and "dpvr-dp-sgd-ghost" in methods
     assert all(r.metrics["ms"] > 0 and r.metrics["ratio_vs_non_private"] > 0 for r in records)

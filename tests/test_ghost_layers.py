@@ -344,10 +344,97 @@ def test_mixed_float32_is_close_on_both_backends() -> None:
 
 
 def test_conv_activations_match_unfold() -> None:
-    """The generic unfolding of the Conv rule against torch's own unfold for 2-D."""
-    from dpvr.grads.ghost.linear import ConvRule
+    """The generic unfolding of the Conv rule (1-D and 3-D) against torch's own unfold for 2-D."""
+    from dpvr.grads.ghost.linear import ConvRule, unfold_patches
 
     conv = nn.Conv2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1))
     x = torch.randn(2, 3, 7, 6)
     expected = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2)
+    padded = F.pad(x, conv._reversed_padding_repeated_twice)
+    torch.testing.assert_close(unfold_patches(padded, conv.kernel_size, conv.stride, conv.dilation), expected)
     torch.testing.assert_close(ConvRule(conv, ["weight"]).activations(x), expected)
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1)),
+    nn.Conv2d(3, 4, 2, padding="same"),  # asymmetric zero padding
+    nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+    nn.Conv2d(3, 4, 3, padding="valid", bias=False),
+    nn.Conv1d(3, 4, 3, stride=2, padding=1),
+    nn.Conv3d(3, 4, 2, padding="same", padding_mode="replicate"),
+], ids=["strided", "same-zeros", "reflect", "valid", "1d", "3d-same"])
+def test_conv_clipped_sums_are_the_unfolded_matmuls(conv) -> None:
+    """A convolution's clipped sum (its weight gradient of scaled output gradients) equals the matmul of the
+    unfolded patches that its norms are computed from, for a gradient and a difference, with and without
+    dropped samples."""
+    from dpvr.grads.ghost.linear import ConvOuter, ConvRule
+    from dpvr.grads.ghost.rules import LayerCall, Outer
+
+    conv = conv.double()
+    rule = ConvRule(conv, ["weight", "bias"])
+    spatial = (7, 6, 5)[: len(conv.kernel_size)]
+    x, x_b = (torch.randn(BATCH, 3, *spatial, dtype=torch.float64) for _ in range(2))
+    g, g_b = (torch.randn_like(conv(x)) for _ in range(2))
+    call, call_b = (LayerCall((i,), {}, [o], {}, BATCH) for i, o in ((x, g), (x_b, g_b)))
+    f = torch.rand(BATCH, dtype=torch.float64)
+    bad = torch.zeros(BATCH, dtype=torch.bool)
+    bad[1] = True
+    shape = conv.weight.shape
+    for part in (rule.gradient([call])["weight"], rule.difference([call], [call_b], f, 1 - f)["weight"]):
+        assert isinstance(part, ConvOuter)
+        for p in (part, part.drop(bad)):
+            torch.testing.assert_close(p.total(f, shape), Outer(p.pieces).total(f, shape), rtol=1e-12,
+                                       atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", ["none", "padding", "float-padding", "both"])
+@pytest.mark.parametrize("weights", ["unused", "averaged", "per-head"])
+def test_batched_attention_gradients_match_the_per_sample_vjp(batch_first, masks, weights) -> None:
+    """The batched recomputation of MultiheadAttention's per-sample gradients against the per-sample
+    vector-Jacobian product of the module, for every mask and attention-weight option it accepts."""
+    from dpvr.grads.ghost.attention import MultiheadAttentionRule
+    from dpvr.grads.ghost.fallback import VjpRule
+    from dpvr.grads.ghost.rules import LayerCall
+
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(6, 2, batch_first=batch_first).double()
+    names = [n for n, _ in attention.named_parameters()]
+    rule = MultiheadAttentionRule(attention, names)
+    length, keys = 4, 5
+    q, kv = (torch.randn(BATCH, n, 6, dtype=torch.float64) for n in (length, keys))
+    args = (q, kv, kv) if batch_first else (q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1))
+    kwargs = {}
+    padding = torch.rand(BATCH, keys) < 0.3
+    padding[:, 0] = False  # every query sees a key
+    if masks in ("padding", "both"):
+        kwargs["key_padding_mask"] = padding
+    if masks == "float-padding":
+        kwargs["key_padding_mask"] = torch.randn(BATCH, keys, dtype=torch.float64)
+    if masks == "both":
+        kwargs["attn_mask"] = torch.triu(torch.ones(length, keys, dtype=torch.bool), diagonal=2)
+    if weights != "unused":
+        kwargs["average_attn_weights"] = weights == "averaged"
+    out, attn = attention(*args, **kwargs)
+    grads = [torch.randn_like(out), None if weights == "unused" else torch.randn_like(attn)]
+    call = LayerCall(args, kwargs, grads, {n: p.detach() for n, p in attention.named_parameters()}, BATCH)
+    batched = rule._batched(call)
+    assert batched is not None
+    want = VjpRule.gradient(rule, [call])
+    for name in names:
+        torch.testing.assert_close(batched[name], want[name].u, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_outside_the_batched_configuration_takes_the_vjp() -> None:
+    from dpvr.grads.ghost.attention import MultiheadAttentionRule
+    from dpvr.grads.ghost.rules import LayerCall
+
+    attention = nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True).double()
+    x = torch.randn(BATCH, 3, 4, dtype=torch.float64)
+    out, _ = attention(x, x, x, need_weights=False)
+    names = [n for n, _ in attention.named_parameters()]
+    call = LayerCall((x, x, x), {"need_weights": False}, [torch.randn_like(out), None],
+                     {n: p.detach() for n, p in attention.named_parameters()}, BATCH)
+    rule = MultiheadAttentionRule(attention, names)
+    assert rule._batched(call) is None
+    assert set(rule.gradient([call])) == set(names)

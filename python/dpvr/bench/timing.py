@@ -6,6 +6,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+from torch._C._autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
 
 def median_ms(
     fn: Callable[[], object],
@@ -43,3 +47,34 @@ def interleaved_median_ms(
             fn()
             times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_bytes(fn: Callable[[], object], device: str = "cpu") -> int:
+    """Peak of the tensor memory that ``fn`` allocates, live at once, in one call: its working memory above
+    the resident state (model, optimiser, inputs).
+
+    CUDA: the caching allocator's ``max_memory_allocated`` over the call, less what was allocated before it.
+    Host: the running total of the allocations and frees that ``torch.profiler`` records during the call
+    (``profile_memory=True``; it reports no free of a block allocated before the call), whose maximum is
+    the peak of the call's own live allocations. Memory allocated outside torch's allocators (the native
+    core's scratch, a library's own buffers) is not seen.
+    """
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return max(0, torch.cuda.max_memory_allocated() - start)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -24,6 +24,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repeats", type=int, default=7, help=with_default("timed runs per case (the median is kept)", 7)
     )
+    p.add_argument(
+        "--case",
+        choices=["mlp", "cnn", "transformer", "all"],
+        default="all",
+        help=with_default("step: the model (an MLP, a small CNN, a small transformer encoder)", "all"),
+    )
+    p.add_argument(
+        "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"
+    )
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.set_defaults(run=run)
 
@@ -40,9 +49,15 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "step":
         from ..bench import step
 
-        records = step.run(quick=args.quick, repeats=args.repeats)
+        cases = step.CASES if args.case == "all" else (args.case,)
+        records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory)
         headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "native share"]
         metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "native_share"]
+        if args.memory:
+            headers += ["peak MiB", "mem x non-private", "mem x opacus ghost"]
+            metrics += ["peak_mib", "memory_vs_non_private", "memory_vs_opacus_ghost"]
+        headers.append("note")
+        metrics.append("skipped")
     else:
         from ..bench import kernels
 

@@ -79,21 +79,30 @@ class ClientTransport(Protocol):
 
 
 class InProcessClients:
-    """Every client's shard in this process, computed one after another (the simulation)."""
+    """Every client's shard in this process, computed one after another (the simulation).
 
-    def __init__(self, shards: Sequence[Shard], gradients: ClippedGradients, like: Sequence[torch.Tensor]):
+    ``gradients``: one :class:`ClippedGradients` for every client, or one per client (each then keeps its
+    own client's recording for reuse in the next full-batch round).
+    """
+
+    def __init__(self, shards: Sequence[Shard], gradients: ClippedGradients | Sequence[ClippedGradients],
+                 like: Sequence[torch.Tensor]):
         for p, (x, y) in enumerate(shards):
             if len(x) == 0 or len(x) != len(y):
                 raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
-        self.shards, self.gradients = list(shards), gradients
+        self.shards = list(shards)
+        each = [gradients] * len(self.shards) if isinstance(gradients, ClippedGradients) else list(gradients)
+        if len(each) != len(self.shards):
+            raise ValueError(f"gradients: one per client ({len(self.shards)}), got {len(each)}")
+        self.gradients = each
         self.sizes = [len(x) for x, _ in self.shards]
         self._out = [torch.zeros_like(t) for t in like]
 
     def round(
         self, r: int, restart: bool, radius: float, previous: Sequence[torch.Tensor]
     ) -> Iterator[tuple[Sequence[torch.Tensor], int]]:
-        for x, y in self.shards:
-            dropped = clipped_mean(self.gradients, x, y, radius, self._out, None if restart else previous)
+        for (x, y), gradients in zip(self.shards, self.gradients):
+            dropped = clipped_mean(gradients, x, y, radius, self._out, None if restart else previous)
             yield self._out, dropped
 
     def local(
@@ -103,7 +112,7 @@ class InProcessClients:
         if batch is not None:
             index = torch.as_tensor(batch, dtype=torch.long)
             x, y = x[index], y[index]
-        return self._out, clipped_mean(self.gradients, x, y, radius, self._out, previous)
+        return self._out, clipped_mean(self.gradients[client], x, y, radius, self._out, previous)
 
 
 class DIFF2(PrivateAlgorithm):
@@ -142,6 +151,13 @@ class DIFF2(PrivateAlgorithm):
 
     Output: the last iterate (the model's parameters); ``output="random"`` (GD routine) keeps the paper's
     uniformly random iterate ``x_{r-1}``, ``r ~ Unif[R]``, in :attr:`output_params`.
+
+    Cost: in a full-batch difference round the previous iterate's activations and output gradients on the
+    same records were recorded by the previous round, so ghost clipping keeps that recording and the round
+    costs one forward and one backward pass (``reuse_recording``; default: on for the GD routine, whose
+    rounds are all full-batch). A recording is reused only for the same records at bit-identical parameter
+    values, else recomputed (after a restore, once); ``reuse_recording=False`` always recomputes, saving
+    the memory of one recording and one copy of the parameters per client.
     """
 
     name = "DIFF2"
@@ -165,6 +181,7 @@ class DIFF2(PrivateAlgorithm):
         optimizer: torch.optim.Optimizer | None = None,
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
+        reuse_recording: bool | None = None,
     ) -> None:
         remote = isinstance(clients, ClientTransport)
         if isinstance(clients, tuple) and len(clients) == 2 and isinstance(clients[0], torch.Tensor):
@@ -191,14 +208,18 @@ class DIFF2(PrivateAlgorithm):
         super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
         self.lr, self.steps, self.restart, self.optimizer = lr, int(steps), int(restart), optimizer
         self.routine, self.local_steps, self.output = routine, local_steps, output
-        self.gradients = ClippedGradients(
-            model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
-        )
-        # The shards held in this process (none on a distributed aggregator), and how rounds reach them.
+        reuse = routine == "gd" if reuse_recording is None else bool(reuse_recording)
+        self.gradients = self._clipped_gradients(runtime, reuse)
+        # The shards held in this process (none on a distributed aggregator), and how rounds reach them;
+        # with reuse, each client keeps its own recording.
         self.clients = [] if remote else list(clients)
-        self.transport: ClientTransport = (
-            clients if remote else InProcessClients(self.clients, self.gradients, self.flat)
-        )
+        self.transport: ClientTransport
+        if remote:
+            self.transport = clients
+        else:
+            gradients = ([self.gradients] + [self._clipped_gradients(runtime, True) for _ in self.clients[1:]]
+                         if reuse else self.gradients)
+            self.transport = InProcessClients(self.clients, gradients, self.flat)
         self.x = Iterate(self.params, optimizer)  # x_{r-1}, and x_{r-2} before round r
         self.v = DifferenceEstimator(self.flat)
         # Difference radii are capped (default: twice the restart radius), so noise cannot feed on itself.
@@ -222,6 +243,12 @@ class DIFF2(PrivateAlgorithm):
     @property
     def total_steps(self) -> int:
         return self.steps
+
+    def _clipped_gradients(self, runtime: RuntimeConfig, reuse: bool) -> ClippedGradients:
+        return ClippedGradients(
+            self.model, self.loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size,
+            nonfinite=self.nonfinite, reuse_recording=reuse,
+        )
 
     def _data(self) -> list[torch.Tensor] | str:
         if self.clients:

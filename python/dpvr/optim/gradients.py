@@ -108,6 +108,10 @@ class ClippedGradients:
     model's forward and backward run in half precision while per-sample gradients, their norms and the
     clipped sums are formed in the parameters' dtype, so ``out`` accumulates in float32 and the clip bound
     holds as in full precision.
+
+    ``reuse_recording`` (ghost and mixed modes): keep the latest point's recording and use it again when a
+    later sum asks for the same records at the same point (see :class:`dpvr.grads.GhostClipper`), as a
+    full-batch difference round does for the previous iterate.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class ClippedGradients:
         mode: str = "auto",
         chunk_size: int | None = None,
         nonfinite: str = "zero",
+        reuse_recording: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"grad_mode: must be one of {MODES}, got {mode!r}")
@@ -126,7 +131,8 @@ class ClippedGradients:
         self.nonfinite = ops.check_nonfinite(nonfinite)
         self._warned = False
         # Ghost clipping runs where the parameters are: native kernels on the host, torch on CUDA.
-        self._ghost = GhostClipper(model, loss_fn, nonfinite=nonfinite) if mode != "materialised" else None
+        self._ghost = (GhostClipper(model, loss_fn, nonfinite=nonfinite, reuse_recording=reuse_recording)
+                       if mode != "materialised" else None)
         self.mode = self._ghost.mode if self._ghost is not None else "materialised"
 
     def sum(

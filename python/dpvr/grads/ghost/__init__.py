@@ -15,12 +15,14 @@ of activations and output gradients, table rows, or materialised vectors (:mod:`
 - ghost rules (:mod:`.linear`: ``Linear``, ``Conv1d/2d/3d``; :mod:`.embedding`: ``Embedding``,
   ``EmbeddingBag``; :mod:`.normalization`: ``LayerNorm``, ``GroupNorm``, ``RMSNorm``) form no per-sample
   gradient of a weight matrix: its norm comes from the Gram or the direct form (the cheaper one per layer)
-  and its clipped sum is a matmul of the recorded tensors (a Linear weight's is ``G^T diag(c) A``);
+  and its clipped sum is a matmul of the recorded tensors (a Linear weight's is ``G^T diag(c) A``; a
+  convolution's is its own weight gradient of the scaled output gradients);
 - every other module with trainable parameters of its own is a *fallback* layer (:mod:`.fallback`): the
   per-sample gradients of its own parameters are materialised from its recorded inputs and output gradients
   (``torch.func.vjp`` of that module alone; no second pass through the model). Modules that share a
   parameter are fallback layers too. ``MultiheadAttention`` (:mod:`.attention`) and the recurrent layers
-  (:mod:`.recurrent`) are fallback layers with rules that know their layouts.
+  (:mod:`.recurrent`) are fallback layers with rules that know their layouts; attention's per-sample
+  gradients come from one batched recomputation of its projections in the common configuration.
 
 Norms and clip factors are computed by the native host kernels (:func:`dpvr.ops.ghost_norms`,
 :func:`dpvr.ops.clip_factors`) for parameters on the host and by the same formulas in torch

@@ -80,6 +80,25 @@ class _Recording:
     losses: Tensor
 
 
+@dataclass
+class _Kept:
+    """A recording kept for reuse, with everything that must be unchanged for it to describe a later call:
+    the same inputs and targets (the tensors themselves, at the versions recorded), bit-identical trainable
+    parameter values (``point``: copies, which the recording's calls hold), the same buffers and frozen
+    parameters (tensors and versions) and the same training flags of every module."""
+
+    recording: _Recording
+    data: list[tuple[Tensor, int]]
+    point: list[Tensor]
+    state: list[tuple[Tensor, int]]
+    modes: tuple[bool, ...]
+
+
+def _unchanged(pairs: list[tuple[Tensor, int]], now: Sequence[Tensor]) -> bool:
+    """Whether ``now`` are the very tensors of ``pairs``, each still at its recorded version."""
+    return len(pairs) == len(now) and all(t is u and t._version == v for (t, v), u in zip(pairs, now))
+
+
 class GhostClipper:
     """Per-sample clipped gradient sums of ``model`` without per-sample gradients (see the package docstring).
 
@@ -95,6 +114,15 @@ class GhostClipper:
             the host), ``"torch"`` (device operations, no host round trip: the path of CUDA parameters) or
             ``"auto"``, native on the host and torch elsewhere. Both give upper bounds on the norms; forcing
             ``"torch"`` on the host runs the device code path (tests do).
+        reuse_recording: keep the recording of the latest call's point (of ``params``, or ``params_a`` of a
+            difference) and use it again, instead of a forward and a backward pass, when a later call asks
+            for the same inputs and targets (the same tensor objects, not modified in place since) at
+            bit-identical parameter values, with the model's buffers, frozen parameters and training flags
+            unchanged; anything else is recorded afresh. A full-batch DIFF2-GD round, whose previous point
+            was recorded by the previous round on the same records, then costs one forward and one backward
+            pass. Memory: one batch's recording and one copy of the trainable parameters. A reused recording
+            is the one a recomputation would produce for a deterministic forward (with dropout active, it is
+            the earlier draw of the masks).
 
     Attributes:
         supported_layers: names of the modules clipped from their activations and output gradients.
@@ -119,7 +147,7 @@ class GhostClipper:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, norm_form: NormForm = "auto",
-                 nonfinite: str = "zero", backend: Backend = "auto") -> None:
+                 nonfinite: str = "zero", backend: Backend = "auto", reuse_recording: bool = False) -> None:
         if norm_form not in ops.NORM_FORMS:
             raise ValueError(f"norm_form: must be one of {sorted(ops.NORM_FORMS)}, got {norm_form!r}")
         if backend not in BACKENDS:
@@ -145,6 +173,8 @@ class GhostClipper:
         self._layers = self._track(model)
         owners = [k for layer in self._layers for _, k in layer.params]
         self._shared = {k for k in owners if owners.count(k) > 1}
+        self.reuse_recording = bool(reuse_recording)
+        self._kept: _Kept | None = None
 
     def _track(self, model: nn.Module) -> list[_Layer]:
         """The modules that own trainable parameters, each with its rule (the fallback when none applies)."""
@@ -209,7 +239,7 @@ class GhostClipper:
         """
         batch = self._check_batch(inputs, targets, clip)
         weights = self._check_scalars(weights, "weights", batch)
-        rec = self._record(inputs, targets, params, "params")
+        rec = self._record(inputs, targets, params, "params", keep=True)
         with _full_precision(self._device):
             sums, norms = self._clip(self._parts(rec, None, None, None), clip, weights, batch)
         return ClippedSum(sums, norms, rec.losses, None)
@@ -228,8 +258,10 @@ class GhostClipper:
         batch = self._check_batch(inputs, targets, clip)
         a = self._check_scalars(a, "a", batch)
         b = self._check_scalars(b, "b", batch)
-        rec_a = self._record(inputs, targets, params_a, "params_a")
+        # The second point first: it may be the recording kept from the previous call, which keeping the
+        # first point's replaces.
         rec_b = self._record(inputs, targets, params_b, "params_b")
+        rec_a = self._record(inputs, targets, params_a, "params_a", keep=True)
         with _full_precision(self._device):
             sums, norms = self._clip(self._parts(rec_a, rec_b, a, b), clip, None, batch)
         return ClippedSum(sums, norms, rec_a.losses, rec_b.losses)
@@ -265,11 +297,39 @@ class GhostClipper:
 
     # ---- recording ----
 
-    def _record(self, inputs: Tensor, targets: Tensor, point: Sequence[Tensor] | None,
-                label: str) -> _Recording:
-        """One forward and one backward pass at ``point``."""
+    def _record(self, inputs: Tensor, targets: Tensor, point: Sequence[Tensor] | None, label: str, *,
+                keep: bool = False) -> _Recording:
+        """The recording at ``point``: the kept one when it describes this call, else one forward and one
+        backward pass (kept for reuse when ``keep`` and ``reuse_recording``)."""
         values = [p for _, p in self._named] if point is None else _check_point(point, self._named, label)
         values = [v.detach() for v in values]
+        if self._kept is not None and self._describes(self._kept, inputs, targets, values):
+            return self._kept.recording
+        if not (keep and self.reuse_recording):
+            return self._run(inputs, targets, values)
+        self._kept = None  # freed before the new recording is made
+        # The recording's calls hold the parameter values: copies, which later steps cannot change.
+        point_copy = [v.clone() for v in values]
+        recording = self._run(inputs, targets, point_copy)
+        self._kept = _Kept(recording, [(inputs, inputs._version), (targets, targets._version)], point_copy,
+                           self._state(), tuple(m.training for m in self.model.modules()))
+        return recording
+
+    def _state(self) -> list[tuple[Tensor, int]]:
+        """The model's buffers and frozen parameters with their versions: what a recording depends on besides
+        the trainable parameters and the data."""
+        frozen = (p for p in self.model.parameters() if id(p) not in self._index_of)
+        return [(t, t._version) for t in (*self.model.buffers(), *frozen)]
+
+    def _describes(self, kept: _Kept, inputs: Tensor, targets: Tensor, values: list[Tensor]) -> bool:
+        """Whether ``kept`` is the recording this call would make (see ``reuse_recording``)."""
+        return (_unchanged(kept.data, [inputs, targets])
+                and _unchanged(kept.state, [t for t, _ in self._state()])
+                and kept.modes == tuple(m.training for m in self.model.modules())
+                and all(torch.equal(k, v) for k, v in zip(kept.point, values)))
+
+    def _run(self, inputs: Tensor, targets: Tensor, values: list[Tensor]) -> _Recording:
+        """One forward and one backward pass at the parameter ``values``."""
         leaves = [v.detach().requires_grad_() for v in values]  # so every tracked output has a gradient edge
         batch = inputs.shape[0]
         calls: dict[_Layer, list[LayerCall]] = {layer: [] for layer in self._layers}

@@ -5,13 +5,18 @@ A weight's per-sample gradient is ``G^T A`` over the steps (positions); a bias's
 difference ``a_i G^T A - b_i G'^T A'`` is the two pieces ``(A, a G - b G')`` and ``(A - A', b G')``: its norm
 bound is relative to the difference, exactly zero at identical points, and a layer whose input is the same
 tensor at both points (the first layer) has one piece.
+
+A convolution's clipped sum ``sum_i f_i G_i^T A_i`` is its own weight gradient for the output gradients
+scaled by the factors (:class:`ConvOuter`): the unfolded patches serve the norms only.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -25,7 +30,11 @@ from .rules import (
     same_tensor,
     scale_rows,
     steps,
+    zero_rows,
 )
+
+# Pieces in the module's own layout: per piece, the inputs and the output gradients of each call.
+Pieces = list[tuple[list[Tensor], list[Tensor]]]
 
 
 class LinearMapRule(GhostRule):
@@ -38,23 +47,27 @@ class LinearMapRule(GhostRule):
     def output_grads(self, g: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def _parts(self, pieces: list[tuple[Tensor, Tensor]], bias: Tensor) -> dict[str, Part]:
-        return {"weight": Outer(pieces), "bias": Dense(bias.sum(dim=1))}
+    def weight(self, pieces: Pieces) -> Outer:
+        """The weight's part from pieces of inputs and output gradients."""
+        return Outer([(steps([self.activations(x) for x in xs]), steps([self.output_grads(g) for g in gs]))
+                      for xs, gs in pieces])
+
+    def _parts(self, pieces: Pieces, bias: list[Tensor]) -> dict[str, Part]:
+        return {"weight": self.weight(pieces),
+                "bias": Dense(steps([self.output_grads(g) for g in bias]).sum(dim=1))}
 
     def gradient(self, calls: Sequence[LayerCall]) -> dict[str, Part]:
-        acts = steps([self.activations(c.input) for c in calls])
-        grads = steps([self.output_grads(c.grad) for c in calls])
-        return self._parts([(acts, grads)], grads)
+        grads = [c.grad for c in calls]
+        return self._parts([([c.input for c in calls], grads)], grads)
 
     def difference(self, calls, calls_b, a, b):
-        acts = steps([self.activations(c.input) for c in calls])
-        grads_b = scale_rows(steps([self.output_grads(c.grad) for c in calls_b]), b)
-        bias = scale_rows(steps([self.output_grads(c.grad) for c in calls]), a) - grads_b
-        pieces = [(acts, bias)]
+        grads_b = [scale_rows(c.grad, b) for c in calls_b]
+        bias = [scale_rows(c.grad, a) - g_b for c, g_b in zip(calls, grads_b)]
+        pieces = [([c.input for c in calls], bias)]
         inputs = [(c.input, c_b.input) for c, c_b in zip(calls, calls_b)]
         if not all(same_tensor(x, x_b) for x, x_b in inputs):
             # The activation map is linear: the difference of activations is that of the inputs.
-            pieces.append((steps([self.activations(x - x_b) for x, x_b in inputs]), grads_b))
+            pieces.append(([x - x_b for x, x_b in inputs], grads_b))
         return self._parts(pieces, bias)
 
 
@@ -69,6 +82,50 @@ class LinearRule(LinearMapRule):
         return g.reshape(g.shape[0], -1, g.shape[-1])
 
 
+def unfold_patches(x: Tensor, kernel: Sequence[int], stride: Sequence[int],
+                   dilation: Sequence[int]) -> Tensor:
+    """``(B, positions, C * prod(kernel))`` input patches of an already padded ``(B, C, *spatial)`` input, in
+    the layout of a convolution weight ``(C_out, C * prod(kernel))``, for any number of spatial dimensions."""
+    dims = len(kernel)
+    for d in range(dims):
+        # Windows along spatial dimension d (appended last), then every dilation-th entry of each.
+        span = dilation[d] * (kernel[d] - 1) + 1
+        x = x.unfold(2 + d, span, stride[d])[..., :: dilation[d]]
+    # (B, C, O_1..O_n, k_1..k_n) -> (B, O_1..O_n, C, k_1..k_n) -> (B, positions, C * prod(k))
+    order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
+    return x.permute(order).reshape(x.shape[0], math.prod(x.shape[2:2 + dims]), -1)
+
+
+_WEIGHT_GRADS = {
+    1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight
+}
+
+
+@dataclass
+class ConvOuter(Outer):
+    """A convolution weight's :class:`Outer` part whose clipped sum is the convolution's weight gradient of
+    the scaled output gradients, summed over ``convs`` (per piece and call: the input and the output
+    gradient in the module's layout, and the zero padding left to apply): the same sum as the matmul of the
+    unfolded patches, without contracting a copy of them."""
+
+    convs: list[tuple[Tensor, Tensor, tuple[int, ...]]]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+
+    def total(self, f: Tensor, shape: torch.Size) -> Tensor:
+        weight_grad = _WEIGHT_GRADS[len(self.stride)]
+        out = None
+        for x, g, padding in self.convs:
+            term = weight_grad(x, shape, scale_rows(g, f), self.stride, padding, self.dilation)
+            out = term if out is None else out.add_(term)
+        return out
+
+    def drop(self, bad: Tensor) -> ConvOuter:
+        return ConvOuter(super().drop(bad).pieces,
+                         [(zero_rows(x, bad), zero_rows(g, bad), padding) for x, g, padding in self.convs],
+                         self.stride, self.dilation)
+
+
 @register_ghost_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(LinearMapRule):
     """``nn.Conv1d/2d/3d`` with ``groups=1``: the steps are the output positions and the activations the
@@ -78,20 +135,29 @@ class ConvRule(LinearMapRule):
     def supports(cls, module):
         return module.groups == 1
 
-    def activations(self, x):
+    def padded(self, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+        """``x`` as the convolution reads it, and the symmetric zero padding still to apply."""
         m = self.module
-        dims = len(m.kernel_size)
+        if m.padding_mode == "zeros" and not isinstance(m.padding, str):
+            return x, tuple(m.padding)
         if any(m._reversed_padding_repeated_twice):  # the module's own padding ('same' may be asymmetric)
             mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-        for d in range(dims):
-            # Windows along spatial dimension d (appended last), then every dilation-th entry of each.
-            span = m.dilation[d] * (m.kernel_size[d] - 1) + 1
-            x = x.unfold(2 + d, span, m.stride[d])[..., :: m.dilation[d]]
-        # (B, C, O_1..O_n, k_1..k_n) -> (B, O_1..O_n, C, k_1..k_n) -> (B, positions, C * prod(k))
-        order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
-        cols = x.permute(order)
-        return cols.reshape(x.shape[0], math.prod(x.shape[2:2 + dims]), -1)
+        return x, (0,) * len(m.kernel_size)
+
+    def activations(self, x):
+        m = self.module
+        x, padding = self.padded(x)
+        if len(m.kernel_size) == 2:  # torch's im2col writes the patches in one pass
+            return F.unfold(x, m.kernel_size, m.dilation, padding, m.stride).transpose(1, 2)
+        if any(padding):  # symmetric zeros
+            x = F.pad(x, m._reversed_padding_repeated_twice)
+        return unfold_patches(x, m.kernel_size, m.stride, m.dilation)
 
     def output_grads(self, g):
         return g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2)
+
+    def weight(self, pieces: Pieces) -> ConvOuter:
+        convs = [(*self.padded(x), g) for xs, gs in pieces for x, g in zip(xs, gs)]
+        return ConvOuter(super().weight(pieces).pieces, [(x, g, padding) for x, padding, g in convs],
+                         tuple(self.module.stride), tuple(self.module.dilation))
