@@ -91,7 +91,8 @@ def test_algorithms_pass_their_shapes_and_the_split_depends_on_public_inputs_onl
     assert first == second
     plan = DIFF2Plan(dataset_size=40, clients=2, steps=12, restart=4)
     assert stream_dimensions(plan, 4) == {"restart": 4, "difference": 4}
-    assert first == calibrate(plan, EPSILON, DELTA, shares="auto", dimensions={"restart": 4, "difference": 4})
+    dimensions = {"restart": 4, "difference": 4}
+    assert first == calibrate(plan, EPSILON, DELTA, shares="auto", dimensions=dimensions, accountant="pld")
     assert first != _diff2_noise(0, None)
 
 

@@ -49,3 +49,18 @@ def test_private_tuning_accounts_the_learning_rate_search(tmp_path, capsys):
         # the whole search spends the budget; one of its trials spends less
         assert 0 < metrics["per_trial_epsilon"] < record["spent_epsilon"] <= 2.0
         assert (metrics["lr"], metrics["lr_y"]) in [(lr, 0.2) for lr in (0.02, 0.2, 2.0)]
+
+
+def test_y_release_output_runs_as_its_own_method(tmp_path, capsys):
+    argv = ["experiment", "auc", "--quick", "--seeds", "1", "--epochs", "1", "--epsilon", "2",
+            "--y-release", "ascent", "output"]
+    assert main([*argv, "--dataset", "digits-imbalanced", "--out", str(tmp_path)]) == 0
+    assert "PrivateDiff (y output)" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "auc.json").read_text())
+    assert doc["config"]["y_release"] == ["ascent", "output"]
+    records = {r["method"]: r for r in doc["records"]}
+    assert set(records) == {"non-private", "DP-SGDA", "PrivateDiff", "PrivateDiff (y output)"}
+    output = records["PrivateDiff (y output)"]
+    assert 0 < output["spent_epsilon"] <= 2.0 * (1 + 1e-6)
+    # its y-step is the inner solver's 1/mu (AUC-M v1 at the imbalanced ratio 0.1), not a tuned one
+    assert output["metrics"]["lr_y"] == 1 / (2 * 0.1 * 0.9)

@@ -28,6 +28,7 @@ from dpvr.audit.targets import (
     dp_sgda,
     private_diff,
     private_diff_difference,
+    private_diff_y_output,
     recursive_spider,
     recursive_spider_difference,
     recursive_spider_s,
@@ -101,6 +102,7 @@ RECURSIVE_SPIDER = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s
         (recursive_spider, ("v-refresh", "u-refresh", "s"), 2 / 8),  # one step; the score is the estimator
         # Difference steps and dual variables: each audited release, over its radius, moves by 2 / n.
         (private_diff_difference, ("checkpoint", "difference", "y"), 2 / 200),
+        (private_diff_y_output, ("checkpoint", "y"), 2 / 8),  # the inner maximiser moves by 2 / n
         (double_spider_difference, DOUBLE_SPIDER, 2 / 200),
         (double_spider_eta, DOUBLE_SPIDER, 2 * 2 / 200),  # the eta refresh and the eta difference
         (recursive_spider_difference, RECURSIVE_SPIDER, 2 / 200),
@@ -149,6 +151,15 @@ def unclipped(cls, method):
 
 
 HalvedNoise = quieter(DPGD, ("gradient",), 0.5)
+
+
+class HalvedYSensitivity(PrivateDiff):
+    """Scales y's output noise to half the inner maximiser's replace-one sensitivity (as if it were an
+    add/remove one)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.y_sensitivity /= 2
 SkippedClipping = unclipped(DPGD, "sum")
 
 
@@ -225,12 +236,22 @@ def test_power_difference_on_different_samples():
             recursive_spider_u, quieter(RecursiveSpider, ("u-difference",), 0.05), marks=pytest.mark.slow
         ),
         (recursive_spider_s, quieter(RecursiveSpider, ("s",), 0.0)),
+        (private_diff_y_output, quieter(PrivateDiff, ("y",), 0.05)),
     ],
 )
 def test_power_difference_and_dual_releases(make, broken):
     # At a claim of epsilon = 1, 100 runs bound epsilon above 1.8 when the sides never overlap.
     result = audit(make(epsilon=1.0, algorithm=broken), 100, seed=10)
     assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+@pytest.mark.slow
+def test_power_y_output_sensitivity_halved():
+    # A claim of epsilon = 2 at delta = 1e-2 run with twice the accounted signal-to-noise ratio.
+    honest = audit(private_diff_y_output(), 4000, seed=11)
+    broken = audit(private_diff_y_output(algorithm=HalvedYSensitivity), 4000, seed=11)
+    assert honest.epsilon_lower_bound <= honest.claimed_epsilon
+    assert broken.epsilon_lower_bound > broken.claimed_epsilon
 
 
 @pytest.mark.parametrize("name", ["dp-gd", "double-spider-eta"])

@@ -2,6 +2,7 @@
 
 import math
 
+import dp_accounting as dpa
 import pytest
 import torch
 
@@ -68,7 +69,8 @@ def test_sampled_dp_sgd_accounts_each_step(sampling):
     )
     alg.run(progress=False)
     relation = "add-remove" if sampling == "poisson" else "replace-one"
-    direct = Accountant("rdp", relation)
+    assert alg.accountant.accountant == "pld"  # the default: the tightest accountant of the sampler
+    direct = Accountant("pld", relation)
     direct.record(*alg.plan.step("gradient", {"gradient": 1.2}), count=30)
     assert alg.privacy_spent().epsilon == pytest.approx(direct.epsilon(1e-5), rel=1e-12)
 
@@ -99,6 +101,7 @@ def test_cyclic_traversal_prox_and_last_iterate_accounting():
         smoothness=0.5,
         bound="last-iterate",
     )
+    assert alg.accountant.accountant == "rdp"  # the default where PLD cannot price the (RDP-curve) bound
     direct = Accountant("rdp", "replace-one")
     direct.record(*plan.step("gradient", {"gradient": 5.0}))
     assert alg.privacy_spent().epsilon == pytest.approx(direct.epsilon(1e-5), rel=1e-12)
@@ -239,9 +242,11 @@ def test_cyclic_composition_accounting_counts_the_passes_started():
         bound="composition",
         runtime=RuntimeConfig(generator=gen()),
     )
+    assert alg.accountant.accountant == "pld"  # composition of passes: full-batch Gaussians, which PLD prices
     for step in range(1, 19):
         alg.step()
-        direct = Accountant("rdp", "replace-one")
+        direct = Accountant("pld", "replace-one")
         passes = -(-step // 4)
-        direct.record("gradient", alg.plan.step("gradient", {"gradient": 4.0})[1], count=passes)
+        one_pass = alg.plan.step("gradient", {"gradient": 4.0})[1]
+        direct.record("gradient", dpa.SelfComposedDpEvent(one_pass, passes))  # as the run records it
         assert alg.privacy_spent().epsilon == pytest.approx(direct.epsilon(1e-5), rel=1e-12)

@@ -31,13 +31,22 @@ DP_SGD = "account dp-sgd --sample-rate 0.01 --noise-multiplier 1.1 --steps 1000 
 
 
 def test_account_dp_sgd_json(capsys):
-    out = _json(capsys, DP_SGD)
+    out = _json(capsys, DP_SGD + " --accountant rdp")
     assert {"epsilon", "delta", "accountant", "streams"} <= set(out)
     assert out["epsilon"] == pytest.approx(account(DPSGDPlan(1000, "poisson", 0.01)(1.1), 1e-5).epsilon)
     assert out["accountant"] == "rdp" and out["neighbouring"] == "add-remove"
     assert out["streams"] == [{"name": "gradient", "releases": 1000, "noise_multiplier": 1.1, "share": 1.0}]
     pld = _json(capsys, DP_SGD + " --accountant pld --neighbouring replace-one")
     assert pld["accountant"] == "pld" and pld["order"] is None and pld["epsilon"] > out["epsilon"]
+    # By default the tightest accountant that prices the run, as the algorithms choose: PLD here.
+    tightest = _json(capsys, DP_SGD)
+    plan = DPSGDPlan(1000, "poisson", 0.01)
+    assert tightest["accountant"] == "pld" and tightest["epsilon"] < out["epsilon"]
+    assert tightest["epsilon"] == pytest.approx(account(plan(1.1), 1e-5, accountant="pld").epsilon, rel=1e-12)
+    # ... and RDP where PLD cannot price a release (the last-iterate bound is an RDP curve).
+    last = "account last-iterate --dataset-size 100 --batch-size 10 --epochs 2 --lr 1e-3 --clip 1 --sigma 1 "
+    last += "--weak-convexity 1 --smoothness 1 --no-clipping --delta 1e-5"
+    assert _json(capsys, last)["accountant"] == "rdp"
 
 
 def test_calibrate_diff2_paper_and_tight(capsys):
@@ -63,13 +72,14 @@ def test_calibrate_dp_sgd_fixed_size_batches(capsys):
         "calibrate dp-sgd --sampling wor --batch-size 256 --dataset-size 60000 --steps 1000 --epsilon 2 "
         "--delta 1e-5",
     )
-    assert out["neighbouring"] == "replace-one"
+    assert out["neighbouring"] == "replace-one" and out["accountant"] == "pld"
     plan = DPSGDPlan(1000, "wor", batch_size=256, dataset_size=60_000, neighbouring="replace-one")
-    assert out["noise_multiplier"] == pytest.approx(calibrate(plan, 2, 1e-5)["gradient"])
+    assert out["noise_multiplier"] == pytest.approx(calibrate(plan, 2, 1e-5, accountant="pld")["gradient"])
+    assert out["spent_epsilon"] <= 2 and out["spent_epsilon"] == pytest.approx(2, rel=1e-3)
     poisson = _json(capsys, "calibrate dp-sgd --batch-size 256 --dataset-size 60000 --steps 1000 --epsilon 2")
     assert poisson["neighbouring"] == "add-remove" and poisson["delta"] == 1e-5  # the algorithms' delta
     assert poisson["noise_multiplier"] == pytest.approx(
-        calibrate(DPSGDPlan(1000, "poisson", 256 / 60_000), 2, 1e-5)["gradient"]
+        calibrate(DPSGDPlan(1000, "poisson", 256 / 60_000), 2, 1e-5, accountant="pld")["gradient"]
     )
 
 
@@ -108,7 +118,9 @@ def test_help_is_plain_text_with_every_flag_described_and_defaults_shown(capsys)
             assert not shown or "(default: " in action.help, f"{name}: {action.dest} hides its default"
     # defaults are the Python API's: the algorithm's relation, DIFF2's u, the phased class's Gaussian
     dp_sgd = {a.dest: a.help for a in parsers["dpvr account dp-sgd"]._actions}
-    assert dp_sgd["neighbouring"].endswith("(default: add-remove with --sampling poisson, else replace-one)")
+    assert dp_sgd["neighbouring"].endswith(
+        "(default: add-remove with --sampling poisson or random-allocation, else replace-one)"
+    )
     assert _parse("calibrate phased --setting sc --epsilon 1").gaussian == "analytic"
     assert _parse("calibrate diff2 --dataset-size 10 --clients 2 --steps 4 --restart 2 --epsilon 1").u == 1.25
     assert _parse("account dp-gd --steps 3").neighbouring is None  # the plan's own: replace-one
@@ -186,7 +198,7 @@ def test_table_and_plot(capsys, tmp_path):
         ),
         ("account dp-sgd --sample-rate 0 --noise-multiplier 1 --steps 10 --delta 1e-5", "sample_rate"),
         ("account dp-sgd --sample-rate 0.01 --noise-multiplier 1 --steps -3 --delta 1e-5", "steps"),
-        (DP_SGD + " --neighbouring replace-one", "Poisson"),
+        (DP_SGD + " --neighbouring replace-one --accountant rdp", "Poisson"),
         (
             "calibrate double-spider --dataset-size 100 --steps 10 --restart 2 --batch-sizes 10,10,10,10 "
             "--epsilon 1 --delta 1e-5 --calibration paper",

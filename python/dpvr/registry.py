@@ -165,14 +165,17 @@ def _batch_size(help: str = "batch size m (expected, for Poisson sampling)") -> 
     return Argument("batch_size", int, help, required=True)
 
 
+_SCHEME_HELP = {
+    "poisson": "poisson (each record with rate q)",
+    "wor": "wor (fixed size, without replacement)",
+    "full": "full",
+    "random-allocation": "random-allocation (each record in one random step of every n/b; add-remove, pld)",
+}
+
+
 def _sampling(default: str, choices: tuple[str, ...]) -> Argument:
-    return Argument(
-        "sampling",
-        str,
-        "batch sampling: poisson (each record with rate q), wor (fixed size, without replacement) or full",
-        default=default,
-        choices=choices,
-    )
+    described = ", ".join(_SCHEME_HELP[c] for c in choices)
+    return Argument("sampling", str, f"batch sampling: {described}", default=default, choices=choices)
 
 
 def _spider_streams(streams: tuple[str, ...], letter: str) -> tuple[tuple[Argument, ...], Argument]:
@@ -220,14 +223,23 @@ _NOISE_MULTIPLIER = Argument(
 _SPECS = (
     AlgorithmSpec(
         "dp-sgd",
-        "DP-SGD with Poisson sampling, fixed-size batches without replacement, or the full batch",
+        "DP-SGD with Poisson sampling, fixed-size batches without replacement, random allocation "
+        "(balls-in-bins) or the full batch",
         DPSGDPlan,
         DPSGDPlan,
         (
             _steps(),
-            _sampling("poisson", ("poisson", "wor", "full")),
-            Argument("sample_rate", float, "sampling rate q (or give --batch-size and --dataset-size)"),
-            Argument("batch_size", int, "batch size b: fixed for wor, expected for poisson (rate b/n)"),
+            _sampling("poisson", ("poisson", "wor", "full", "random-allocation")),
+            Argument(
+                "sample_rate",
+                float,
+                "sampling rate q, 1/t for random allocation (or give --batch-size and --dataset-size)",
+            ),
+            Argument(
+                "batch_size",
+                int,
+                "batch size b: fixed for wor, expected for poisson (rate b/n) and random-allocation",
+            ),
             Argument("dataset_size", int, "number of records n (with --batch-size; optional for poisson)"),
         ),
         "dpvr.optim:DPSGD",
@@ -303,7 +315,7 @@ _SPECS = (
             _batch_size(),
             _steps("outer rounds R"),
             Argument("restart", int, "checkpoint period T: rounds r with (r - 1) mod T = 0", required=True),
-            Argument("y_steps", int, "ascent steps T2 per round (y_release ascent)", default=1),
+            Argument("y_steps", int, "T2: ascent steps per round, or the output solver's cap", default=1),
             _sampling("wor", ("wor", "poisson", "full")),
             Argument(
                 "y_release",
@@ -325,7 +337,7 @@ _SPECS = (
                 "replace-one sensitivity of y",
             ),
         ),
-        audit_games=("private-diff", "private-diff-difference"),
+        audit_games=("private-diff", "private-diff-difference", "private-diff-y-output"),
     ),
     AlgorithmSpec(
         "double-spider",
@@ -435,8 +447,8 @@ PRIVACY: tuple[Argument, ...] = (
     Argument(
         "accountant",
         str,
-        "dp_accounting's rdp accountant, or pld (tighter; no sampling without replacement, no RDP curves)",
-        default="rdp",
+        "pld (privacy loss distributions: the tightest; needed for random allocation) or rdp "
+        "(dp_accounting's RDP accountant: about twice the noise for fixed-size batches)",
         choices=ACCOUNTANTS,
     ),
     Argument(

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..objectives import MinimaxProblem
 from ..ops import NoiseGenerator
+from ..problems.minimax import YSensitivity
 
 CANARY_SCALE = 1e3  # the canary's gradient norm, in clip radii: far outside every radius the games use
 
@@ -287,6 +288,40 @@ class CanaryMinimax(MinimaxProblem):
 
     def project(self, y: torch.Tensor) -> torch.Tensor:
         return y.clamp(-1.0, 1.0)
+
+
+class CanaryOutputY(MinimaxProblem):
+    """``f(x, y; z) = canary_loss(o, t[:2]) + t_y y - y^2 / 2`` on ``Y = [-1, 1]``, ``t_y = clamp(t[2], -1,
+    1)``: a record's y-gradient ``t_y - y`` is its third target, so the inner maximiser is the clamped mean
+    of the ``t_y`` and a canary ``t_y = +1`` against its neighbour ``-1`` moves it by exactly the stated
+    stability ``2 / n`` (``gradient_range = 2``, ``mu = L = 1``). Records with zero inputs carry no
+    x-gradient: the canary's whole influence is in the y output release."""
+
+    y_dim, strong_concavity, diameter, y_lipschitz = 1, 1.0, 2.0, 2.0
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return canary_loss(output, target[:2]) + target[2].clamp(-1.0, 1.0) * y[0] - 0.5 * (y**2).sum()
+
+    def project(self, y: torch.Tensor) -> torch.Tensor:
+        return y.clamp(-1.0, 1.0)
+
+    def y_sensitivity(self) -> YSensitivity:
+        return YSensitivity(gradient_range=2.0, strong_concavity=1.0, smoothness=1.0)
+
+    def bounded_outputs(self, outputs: torch.Tensor) -> torch.Tensor:
+        return torch.nan_to_num(outputs, nan=0.0, posinf=0.0, neginf=0.0)  # o does not enter grad_y f
+
+
+def output_y_records(n: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` zero-input records for :class:`CanaryOutputY`: record 0 has ``t_y = +1`` (the canary) or
+    ``-1`` (its neighbour), the others ``t_y = 0``."""
+    inputs = torch.zeros(n, 1, dtype=torch.float64)
+    sides = []
+    for t_y in (1.0, -1.0):
+        targets = torch.zeros(n, 3, dtype=torch.float64)
+        targets[0, 2] = t_y
+        sides.append((inputs.clone(), targets))
+    return sides[0], sides[1]
 
 
 def scalar_model(weight: float = 0.0) -> nn.Module:

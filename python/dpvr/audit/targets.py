@@ -34,6 +34,7 @@ from ..privacy.calibration import calibrate
 from .games import (
     AlgorithmGame,
     CanaryMinimax,
+    CanaryOutputY,
     Game,
     canary_loss,
     descent_score,
@@ -42,6 +43,7 @@ from .games import (
     input_canary_data,
     logistic_loss,
     logit_score,
+    output_y_records,
     recursive_spider_releases,
     recursive_spider_step,
     released_score,
@@ -361,6 +363,44 @@ def private_diff(
         _as_paper_sigmas,
         descent_score([1.0]),
         "sigma",
+    )
+
+
+def private_diff_y_output(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = PrivateDiff, **noise: float
+) -> Game:
+    """PrivateDiff with ``y_release="output"``, one checkpoint round on 8 records of
+    :class:`~dpvr.audit.games.CanaryOutputY`: the canary moves the inner maximiser by exactly its stated
+    sensitivity ``2 / n`` (``y_tolerance`` is negligible) and nothing else, and the score is the released
+    ``y`` (noise per stream: ``checkpoint``, ``y``; the x-stream, which the canary does not touch, takes a
+    ``FREE_SHARE`` of the budget)."""
+    build = _builder(
+        scalar_model,
+        CanaryOutputY(),
+        output_y_records(8),
+        lr=1.0,
+        steps=1,
+        restart=1,
+        y_steps=2,
+        y_release="output",
+        y_tolerance=1e-9,
+        batch_size=None,
+        sampling="full",
+        clip={"checkpoint": 1.0, "difference": (1.0, 0.0)},
+        delta=delta,
+        accountant="pld",
+    )
+    return _white_box_game(
+        "PrivateDiff (y output)",
+        delta,
+        PrivateDiff,
+        algorithm,
+        build,
+        epsilon,
+        noise,
+        _as_noise,
+        lambda _, alg: float(alg.y[0]),
+        audited=("y",),
     )
 
 
@@ -737,6 +777,11 @@ TARGETS: dict[str, Target] = {
             "private-diff-difference",
             "PrivateDiff, difference canary in a difference round's x-release",
             private_diff_difference,
+        ),
+        Target(
+            "private-diff-y-output",
+            "PrivateDiff with y by output perturbation, canary in the inner maximiser",
+            private_diff_y_output,
         ),
         Target(
             "double-spider-difference",

@@ -4,7 +4,8 @@
 noise for a target ``--epsilon`` (``--calibration tight``, the accountant's smallest noise, or ``paper``, the
 paper's closed form). ``--json`` prints one JSON object (``{"epsilon"|"noise_multiplier": ..., "delta": ...,
 "accountant": ..., "streams": [...]}``), otherwise a table. Flags, defaults and the default neighbouring
-relation come from :mod:`dpvr.registry`, so they are the Python API's.
+relation come from :mod:`dpvr.registry`, so they are the Python API's; so is the default accountant, the
+tightest that prices the run (PLD wherever it can).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 
 from ..privacy import Accountant, CyclicDPSGDPlan, Plan, PrivacyReport, calibrate, epsilon_by_epoch
+from ..privacy.relations import tightest_accountant
 from ..registry import CALIBRATION, PRIVACY, REGISTRY, AlgorithmSpec, Argument, Sigma
 from . import flags
 
@@ -32,6 +34,7 @@ _DESCRIPTIONS = {
 }
 
 
+_TIGHTEST = "the tightest that prices every release: pld, else rdp"
 _PAPER_UNITS = "in the paper's own units; the plan converts them to noise multipliers"
 _MULTIPLIERS = "noise multipliers: the noise std over the bound on one record's contribution to the sum"
 
@@ -65,9 +68,15 @@ def _sigma_argument(sigma: Sigma) -> Argument:
     return Argument(sigma.name, float, f"{sigma.stream} stream: {sigma.help}")
 
 
+def _accountant(args: argparse.Namespace, plan: Plan) -> str:
+    """``--accountant``, by default the tightest that prices the plan (as the algorithms choose)."""
+    event = plan(dict.fromkeys(plan.streams, 1.0)).event
+    return args.accountant or tightest_accountant(event, plan.neighbouring)
+
+
 def _report(args: argparse.Namespace, spec: AlgorithmSpec, plan: Plan, noise: dict[str, float]):
     """The accountant's report and one row per stream (with the paper's sigma where it has one)."""
-    accountant = Accountant(args.accountant, plan.neighbouring)
+    accountant = Accountant(_accountant(args, plan), plan.neighbouring)
     mechanism = plan(noise)
     accountant.record_mechanism(mechanism)
     report = accountant.report(args.delta)
@@ -151,7 +160,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         {a.name: getattr(args, a.name) for a in spec.paper_options} if args.calibration == "paper" else {}
     )
     noise = calibrate(
-        plan, args.epsilon, args.delta, args.shares, args.accountant, args.calibration, **options
+        plan, args.epsilon, args.delta, args.shares, _accountant(args, plan), args.calibration, **options
     )
     report, rows = _report(args, spec, plan, noise)
     if args.json:
@@ -170,8 +179,11 @@ def _default_neighbouring(spec: AlgorithmSpec) -> str:
     usual = spec.plan_type.default_neighbouring()
     sampling = next((a for a in spec.arguments if a.name == "sampling"), None)
     other = {c: spec.default_neighbouring({"sampling": c}) for c in (sampling.choices if sampling else ())}
-    other = {c: relation for c, relation in other.items() if relation != usual}
-    return "".join(f"{relation} with --sampling {c}, else " for c, relation in other.items()) + usual
+    grouped: dict[str, list[str]] = {}
+    for c, relation in other.items():
+        if relation != usual:
+            grouped.setdefault(relation, []).append(c)
+    return "".join(f"{r} with --sampling {' or '.join(cs)}, else " for r, cs in grouped.items()) + usual
 
 
 def _add_algorithm(parser: argparse.ArgumentParser, spec: AlgorithmSpec, command: str) -> None:
@@ -188,9 +200,9 @@ def _add_algorithm(parser: argparse.ArgumentParser, spec: AlgorithmSpec, command
                 "--plot", metavar="FILE", help="write a PNG of epsilon against epochs, beside composition"
             )
     privacy = parser.add_argument_group("privacy")
+    described = {"neighbouring": _default_neighbouring(spec), "accountant": _TIGHTEST}
     for argument in PRIVACY:
-        default = _default_neighbouring(spec) if argument.name == "neighbouring" else None
-        flags.add(privacy, argument, default)
+        flags.add(privacy, argument, described.get(argument.name))
     if command == "calibrate":
         for argument in CALIBRATION:
             flags.add(privacy, argument)

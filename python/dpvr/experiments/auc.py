@@ -23,10 +23,18 @@ The paper's protocol, scaled to the data at hand:
   (:class:`~dpvr.optim.PrivateDiff`, ``C1 = C2 = 1``, ``T = 2``, ``T2 = 3`` as in Table 2; ``C0 = 1`` and
   ``C3 = 0.1``, which the paper does not give). Every method makes the same number of x-updates:
   ``epochs * n / batch``; PrivateDiff's ``T2`` y-steps per round are on batches of their own.
+  ``--y-release`` picks how PrivateDiff makes ``alpha`` private: ``ascent`` (the default: ``T2`` noisy
+  clipped ascent steps per round, method ``PrivateDiff``) and/or ``output`` (method ``PrivateDiff (y
+  output)``: ``alpha`` solved over the whole training set at each round's ``x`` by projected ascent with
+  step ``1/mu`` — AUC-M is quadratic in ``alpha``, so two of the ``T2`` iterations certify it — and released
+  with Gaussian noise scaled to its worst-case sensitivity ``1/(n p (1-p))`` plus twice the certified
+  tolerance; its ``eta_y`` is that step, not tuned).
 - **Privacy.** ``(epsilon, delta)``-DP with ``delta = 1/n^1.1`` (``n`` the training size), replace-one
   neighbours; each DP method's noise is calibrated to the target with the accountant, every stream of a
-  run (PrivateDiff: checkpoint, difference and y-ascent releases) in one accountant; the spent epsilon
-  reported is ``privacy_spent()`` of what the run released. Noise and sampling are seeded for
+  run (PrivateDiff: checkpoint, difference and y releases) in one accountant, the budget split equally
+  between streams or, with ``--shares auto``, by :mod:`dpvr.privacy.allocation`'s error proxy (public
+  shapes and counts only; the same rule for every method); the spent epsilon reported is
+  ``privacy_spent()`` of what the run released. Noise and sampling are seeded for
   reproducibility, which makes them predictable: fine for an experiment, not for a deployment.
 - **Hyper-parameters.** Learning rates ``eta_x, eta_y`` from the paper's grid {0.02, 0.2, 2}: every pair,
   selecting per seed the pair with the best final *train* AUC. **This tuning uses the private training
@@ -93,7 +101,8 @@ from .common import (
 )
 
 NAME = "auc"
-METHODS = ("non-private", "DP-SGDA", "PrivateDiff")
+METHODS = ("non-private", "DP-SGDA", "PrivateDiff", "PrivateDiff (y output)")
+Y_RELEASES = {"ascent": "PrivateDiff", "output": "PrivateDiff (y output)"}  # --y-release -> method
 METRICS = ("test_auc", "train_auc", "grad_norm")
 DIAGNOSTICS = ("train_auc", "grad_norm")
 """The metrics measured on the private training data without noise."""
@@ -114,6 +123,7 @@ IMBALANCED_TRAIN, IMBALANCED_TEST = 0.1, 0.5
 CLIPS = {  # each method's clip={stream: radius}; PrivateDiff's difference radius is (per move, offset)
     "DP-SGDA": {"x": 1.0, "y": 1.0},
     "PrivateDiff": {"y": 1.0, "checkpoint": 1.0, "difference": (1.0, 0.1)},
+    "PrivateDiff (y output)": {"checkpoint": 1.0, "difference": (1.0, 0.1)},
 }
 RESTART, Y_STEPS = 2, 3
 BUNDLED = ("digits", "digits-imbalanced")
@@ -126,6 +136,7 @@ class Protocol:
     batch_size: int
     seeds: int
     lr_pairs: tuple[tuple[float, float], ...]  # (eta_x, eta_y)
+    shares: str | None = None  # PrivacyConfig.shares of every private method: None (equal) or "auto"
 
 
 SCALED = Protocol(epochs=60, batch_size=256, seeds=5, lr_pairs=tuple(itertools.product(LRS, LRS)))
@@ -141,6 +152,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--private-tuning",
         action="store_true",
         help="select the private methods' learning rates by a private search inside the budget",
+    )
+    parser.add_argument(
+        "--y-release",
+        nargs="+",
+        choices=tuple(Y_RELEASES),
+        default=["ascent"],
+        help="how PrivateDiff makes alpha private: noisy ascent steps and/or output perturbation (each "
+        "given runs as its own method)",
+    )
+    parser.add_argument(
+        "--shares",
+        choices=("equal", "auto"),
+        default="equal",
+        help="how each private method splits epsilon between its streams: equally, or by the error proxy of "
+        "dpvr.privacy.allocation (public shapes and counts only) (default: equal)",
     )
 
 
@@ -259,17 +285,18 @@ def _private(
     data: _Data,
     lrs: tuple[float, float],
     steps: int,
-    batch_size: int,
+    protocol: Protocol,
     epsilon: float,
     seed: int,
     privacy: PrivacyConfig | None = None,
 ) -> DPSGDA | PrivateDiff:
+    privacy = privacy or PrivacyConfig(epsilon=epsilon, delta=data.delta)
     common: dict[str, Any] = dict(
         lr=lrs[0],
         lr_y=lrs[1],
-        batch_size=batch_size,
+        batch_size=protocol.batch_size,
         clip=CLIPS[method],
-        privacy=privacy or PrivacyConfig(epsilon=epsilon, delta=data.delta),
+        privacy=dataclasses.replace(privacy, shares=protocol.shares),
         runtime=RuntimeConfig(
             generator=NoiseGenerator(derive_seed(seed, 6), reproducible=True),
             sampler_seed=derive_seed(seed, 7),
@@ -277,9 +304,25 @@ def _private(
     )
     if method == "DP-SGDA":
         return DPSGDA(model, problem, *data.train, steps=steps, **common)
+    release = "output" if method == Y_RELEASES["output"] else "ascent"
     return PrivateDiff(
-        model, problem, *data.train, steps=steps, restart=RESTART, y_steps=Y_STEPS, **common
-    )
+        model, problem, *data.train, steps=steps, restart=RESTART, y_steps=Y_STEPS, y_release=release,
+        **common,
+    )  # fmt: skip
+
+
+def _lr_pairs(method: str, protocol: Protocol, problem: AUCMargin) -> tuple[tuple[float, float], ...]:
+    """The learning-rate pairs searched: the protocol's, except for PrivateDiff with y output, whose y-step
+    is its inner solver's ``1/L`` (exact for AUC-M), so only ``eta_x`` is searched."""
+    if method != Y_RELEASES["output"]:
+        return protocol.lr_pairs
+    step = 1.0 / problem.y_sensitivity().smoothness
+    return tuple(dict.fromkeys((lr_x, step) for lr_x, _ in protocol.lr_pairs))
+
+
+def _searched(method: str, protocol: Protocol) -> int:
+    """How many learning-rate pairs :func:`_lr_pairs` gives ``method`` (whatever the problem)."""
+    return len(_lr_pairs(method, protocol, AUCMargin(0.5)))
 
 
 def _train(
@@ -300,7 +343,7 @@ def _train(
         step, alpha = _sgda(model, problem, data, lrs, protocol.batch_size, derive_seed(seed, 7))
         alg = None
     else:
-        alg = _private(method, model, problem, data, lrs, steps, protocol.batch_size, epsilon, seed)
+        alg = _private(method, model, problem, data, lrs, steps, protocol, epsilon, seed)
         step, alpha = alg.step, (lambda: alg.y)
     run.history.append(_evaluate(model, problem, alpha(), data))
     for t in range(1, steps + 1):
@@ -326,7 +369,7 @@ def _tune(
     bar: Any,
 ) -> _Run:
     runs = []
-    for i, lrs in enumerate(protocol.lr_pairs):
+    for i, lrs in enumerate(_lr_pairs(method, protocol, problem)):
         runs.append(_train(method, init, problem, data, protocol, lrs, epsilon, derive_seed(seed, i)))
         bar.update()
     finite = [r for r in runs if math.isfinite(r.final["train_auc"])]
@@ -353,7 +396,7 @@ def _private_tune(
 
     def build(lrs: tuple[float, float], privacy: PrivacyConfig) -> tuple[DPSGDA | PrivateDiff, _Run]:
         model = copy.deepcopy(init)
-        alg = _private(method, model, problem, data, lrs, steps, protocol.batch_size, epsilon,
+        alg = _private(method, model, problem, data, lrs, steps, protocol, epsilon,
                        derive_seed(seed, next(trial_seeds)), privacy)
         return alg, _Run(lrs)
 
@@ -369,9 +412,10 @@ def _private_tune(
         while len(run.history) < protocol.epochs + 1:
             run.history.append(dict.fromkeys(METRICS, math.nan))
 
-    selection = private_search(build, protocol.lr_pairs, epsilon=epsilon, delta=data.delta, train=train,
+    pairs = _lr_pairs(method, protocol, problem)
+    selection = private_search(build, pairs, epsilon=epsilon, delta=data.delta, train=train,
                                score=lambda alg, run: run.final["test_auc"], seed=derive_seed(seed, 8))
-    bar.update(len(protocol.lr_pairs))
+    bar.update(len(pairs))
     best = selection.run
     best.spent_epsilon, best.tuning = selection.spent_epsilon, selection.metrics
     return best
@@ -391,6 +435,11 @@ def _datasets(args: argparse.Namespace) -> list[str]:
     return [f"{k}{suffix}" for k in found for suffix in ("", "-imbalanced")]
 
 
+def selected_methods(args: argparse.Namespace) -> tuple[str, ...]:
+    """The methods a run compares: non-private, DP-SGDA and one PrivateDiff per ``--y-release``."""
+    return ("non-private", "DP-SGDA", *(Y_RELEASES[r] for r in dict.fromkeys(args.y_release)))
+
+
 def _protocol(name: str, args: argparse.Namespace) -> Protocol:
     base = (QUICK if args.quick else SCALED if name.startswith("digits")
             else MNIST_5K if name.startswith("mnist-5k") else PAPER)
@@ -399,6 +448,7 @@ def _protocol(name: str, args: argparse.Namespace) -> Protocol:
         epochs=args.epochs or base.epochs,
         batch_size=args.batch_size or base.batch_size,
         seeds=args.seeds or base.seeds,
+        shares=None if args.shares == "equal" else args.shares,
     )
 
 
@@ -407,7 +457,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epsilons = tuple(args.epsilon or ((1.0, 10.0) if args.quick else EPSILONS))
     names = _datasets(args)
     protocols = {name: _protocol(name, args) for name in names}
-    total = sum(p.seeds * len(p.lr_pairs) * (1 + 2 * len(epsilons)) for p in protocols.values())
+    methods = selected_methods(args)
+    total = sum(
+        p.seeds * (len(p.lr_pairs) + len(epsilons) * sum(_searched(m, p) for m in methods[1:]))
+        for p in protocols.values()
+    )
     found: dict[tuple[str, float | None, str], list[_Run]] = {}
     records: list[Record] = []
     deltas: dict[str, float] = {}
@@ -423,7 +477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 problem = AUCMargin(data.positive_ratio)
                 init = _model(data.train[0].shape[1], seed)
                 for epsilon in (None, *epsilons):
-                    for method in METHODS[1:] if epsilon is not None else METHODS[:1]:
+                    for method in methods[1:] if epsilon is not None else methods[:1]:
                         bar.set_postfix_str(f"{name} seed {seed} eps {epsilon} {method}")
                         noise_seed = derive_seed(seed, METHODS.index(method), round((epsilon or 0) * 1e6))
                         search = _private_tune if args.private_tuning and epsilon is not None else _tune
@@ -440,14 +494,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "clips": CLIPS,
         "restart": RESTART,
         "y_steps": Y_STEPS,
+        "y_release": list(dict.fromkeys(args.y_release)),
+        "shares": args.shares,
         "quick": bool(args.quick),
         "protocols": {name: dataclasses.asdict(p) for name, p in protocols.items()},
         "hyperparameter_tuning_accounted": bool(args.private_tuning),
     }
     doc = document(NAME, config, records)
-    _report(found, names, epsilons, protocols, args.private_tuning)
+    _report(found, names, epsilons, methods, protocols, args.private_tuning)
     paths = save(doc, records, args.out)
-    paths += _plots(found, names, epsilons, protocols, args.out)
+    paths += _plots(found, names, epsilons, methods, protocols, args.out)
     print("\nwrote " + ", ".join(paths))
     return doc
 
@@ -467,13 +523,14 @@ def _report(
     found: dict[tuple[str, float | None, str], list[_Run]],
     names: Sequence[str],
     epsilons: Sequence[float],
+    methods: Sequence[str],
     protocols: dict[str, Protocol],
     private_tuning: bool,
 ) -> None:
     rows = []
     for name in names:
         for epsilon in (None, *epsilons):
-            for method in METHODS if epsilon is not None else METHODS[:1]:
+            for method in methods if epsilon is not None else methods[:1]:
                 if (name, epsilon, method) not in found:
                     continue
                 runs = found[(name, epsilon, method)]
@@ -502,13 +559,14 @@ def _plots(
     found: dict[tuple[str, float | None, str], list[_Run]],
     names: Sequence[str],
     epsilons: Sequence[float],
+    methods: Sequence[str],
     protocols: dict[str, Protocol],
     out: str,
 ) -> list[str]:
     paths = []
     for name in names:
         for epsilon in epsilons:
-            keys = [(name, None, METHODS[0])] + [(name, epsilon, m) for m in METHODS[1:]]
+            keys = [(name, None, methods[0])] + [(name, epsilon, m) for m in methods[1:]]
             panels = {
                 METRIC_TITLES[metric]: {
                     key[2]: [np.nan_to_num(r.curve(metric), nan=0.0) for r in found[key]] for key in keys

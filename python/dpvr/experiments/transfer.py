@@ -135,9 +135,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         epochs=args.epochs or base.epochs,
         batch_size=args.batch_size or base.batch_size,
         seeds=args.seeds or base.seeds,
+        shares=None if args.shares == "equal" else args.shares,
     )
     protocols = dict.fromkeys(names, protocol)
-    total = len(names) * protocol.seeds * len(protocol.lr_pairs) * (1 + 2 * len(epsilons))
+    methods = auc.selected_methods(args)
+    total = len(names) * protocol.seeds * len(protocol.lr_pairs) * (1 + (len(methods) - 1) * len(epsilons))
     found: dict[tuple[str, float | None, str], list[auc._Run]] = {}
     records: list[Record] = []
     deltas: dict[str, float] = {}
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 public_accuracy.setdefault(name, []).append(_accuracy(init, split.public))
                 problem = AUCMargin(data.positive_ratio)
                 for epsilon in (None, *epsilons):
-                    for method in auc.METHODS[1:] if epsilon is not None else auc.METHODS[:1]:
+                    for method in methods[1:] if epsilon is not None else methods[:1]:
                         bar.set_postfix_str(f"{name} seed {seed} eps {epsilon} {method}")
                         noise_seed = derive_seed(seed, auc.METHODS.index(method), round((epsilon or 0) * 1e6))
                         best = auc._tune(
@@ -174,13 +176,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "clips": auc.CLIPS,
         "restart": auc.RESTART,
         "y_steps": auc.Y_STEPS,
+        "y_release": list(dict.fromkeys(args.y_release)),
+        "shares": args.shares,
         "quick": bool(args.quick),
         "protocol": dataclasses.asdict(protocol),
         "hyperparameter_tuning_accounted": False,
     }
     doc = document(NAME, config, records)
-    auc._report(found, names, epsilons, protocols, private_tuning=False)
+    auc._report(found, names, epsilons, methods, protocols, private_tuning=False)
     paths = save(doc, records, args.out)
-    paths += auc._plots(found, names, epsilons, protocols, args.out)
+    paths += auc._plots(found, names, epsilons, methods, protocols, args.out)
     print("\nwrote " + ", ".join(paths))
     return doc

@@ -11,6 +11,17 @@ With ``p`` the positive ratio and ``m`` the margin, per sample (labels coded 1 p
   written per sample with weights ``1/p`` on positives and ``1/(1-p)`` on negatives so that its mean over a
   dataset with positive ratio ``p`` is exactly that objective; ``mu = 2``.
 
+**Sensitivity of the inner maximiser** (:meth:`AUCMargin.y_sensitivity`). Both forms are ``f = q(h,
+label) + 2 alpha (c + s(h, label)) - (mu/2) alpha^2`` with ``q`` free of ``alpha``, ``c`` the margin term
+(the same for every record) and ``s = p h [y=0] - (1-p) h [y=1]`` (``"v1"``) or ``s = h [y=0] / (1-p) -
+h [y=1] / p`` (``"v2"``). With ``h`` in ``[0, 1]``, ``s`` ranges over an interval of width ``1`` (``"v1"``:
+``[-(1-p), p]``) or ``1 / (p (1-p))`` (``"v2"``), so two records' ``alpha``-gradients differ by at most twice
+that width at every ``alpha``; each record is ``mu``-strongly concave on its own and the mean's curvature is
+exactly ``mu`` (its smoothness). The exact maximiser ``Proj_[0, Lambda]((c + mean(s)) / (mu / 2))`` thus
+moves by at most ``1 / (n p (1-p))`` when one record is replaced, for both forms: swapping a positive of
+score 1 for a negative of score 1 attains it (tight). A non-finite score is read as ``h = 1/2``
+(:meth:`AUCMargin.bounded_outputs`), an admissible value.
+
 ``p`` is a constructor argument and must be public (e.g. fixed by the data-collection protocol): reading it
 off the private training labels would release a statistic of them that no accountant covers.
 """
@@ -22,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..problems import MinimaxProblem
+from ..problems.minimax import YSensitivity
 
 VERSIONS = ("v1", "v2")
 
@@ -127,6 +139,19 @@ class AUCMargin(MinimaxProblem):
 
     def project(self, y: Tensor) -> Tensor:
         return y.clamp(0.0, self.diameter)
+
+    def y_sensitivity(self) -> YSensitivity:
+        """Twice the width of ``s``'s range over ``h`` in ``[0, 1]``, ``mu`` and ``mu`` (module docs)."""
+        p = self.p
+        width = 1.0 if self.version == "v1" else 1.0 / (p * (1 - p))
+        mu = self.strong_concavity
+        return YSensitivity(gradient_range=2 * width, strong_concavity=mu, smoothness=mu)
+
+    def bounded_outputs(self, outputs: Tensor) -> Tensor:
+        """Scores clamped to ``[0, 1]`` with a non-finite score read as ``1/2``; ``a`` and ``b``, which do not
+        enter ``grad_y f``, with non-finite values read as 0."""
+        h = torch.nan_to_num(outputs[:, :1], nan=0.5, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
+        return torch.cat([h, torch.nan_to_num(outputs[:, 1:], nan=0.0, posinf=0.0, neginf=0.0)], dim=1)
 
 
 def auc_score(scores: np.ndarray | Tensor, labels: np.ndarray | Tensor) -> float:

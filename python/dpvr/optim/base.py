@@ -31,7 +31,7 @@ from ..privacy.allocation import stream_dimensions
 from ..privacy.calibration import calibrate
 from ..privacy.events import PaperSigmas, Plan
 from ..privacy.mechanism import noise_dict
-from ..privacy.relations import unsupported_reason
+from ..privacy.relations import tightest_accountant as tightest
 from ..problems import LossFn
 from .config import PrivacyConfig, RuntimeConfig, bound_fields
 
@@ -494,10 +494,9 @@ def _canonical(value: Any, depth: int = 0) -> Any:
 
 
 def tightest_accountant(plan: Plan) -> str:
-    """``"pld"`` where dp_accounting's PLD accountant (with dpvr's WOR extension) can price every release of
-    ``plan``, else ``"rdp"``."""
-    event = plan.mechanism(dict.fromkeys(plan.streams, 1.0)).event
-    return "pld" if unsupported_reason(event, "pld", plan.neighbouring) is None else "rdp"
+    """``"pld"`` where the PLD accountant can price every release of ``plan``, else ``"rdp"``
+    (:func:`dpvr.privacy.relations.tightest_accountant`)."""
+    return tightest(plan.mechanism(dict.fromkeys(plan.streams, 1.0)).event, plan.neighbouring)
 
 
 def data_fingerprint(tensors: Sequence[torch.Tensor]) -> str:

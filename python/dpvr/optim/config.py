@@ -27,10 +27,13 @@ class PrivacyConfig:
       planned run spends exactly this; in every case a release that would exceed it raises
       :class:`~dpvr.optim.BudgetExhaustedError` before it happens. ``None``: no budget (``noise`` required).
     - ``delta``: the target delta of every report and of the budget.
-    - ``accountant``: ``"rdp"`` or ``"pld"`` (dp_accounting's), the one that records the run; ``None``: the
-      tightest the run's plan supports (PLD for Poisson, fixed-size-without-replacement and full batches of
-      Gaussian releases; RDP otherwise). RDP is the default because it calibrates in milliseconds where
-      PLD takes seconds; :func:`dpvr.make_private` asks for the tightest.
+    - ``accountant``: ``"rdp"`` or ``"pld"`` (dp_accounting's, with dpvr's PLDs for fixed-size batches and
+      random allocation), the one that records and calibrates the run; ``None`` (default): the tightest the
+      run's plan supports: PLD when it prices every release (Gaussians on Poisson, fixed-size-without-
+      replacement, random-allocation and full batches), else RDP (e.g. the last-iterate bounds' RDP curves,
+      a fixed-size batch of a non-Gaussian release). For fixed-size batches RDP needs about twice PLD's
+      noise; ``"rdp"`` stays available, and is faster to calibrate (milliseconds against a few tenths of a
+      second).
     - ``calibration``: ``"tight"`` (the accountant's smallest noise for ``epsilon``) or ``"paper"`` (the
       paper's closed form, where the algorithm has one; ``paper_options`` are its constants, e.g. DIFF2's
       ``{"u": 1.25}``).
@@ -42,7 +45,7 @@ class PrivacyConfig:
 
     epsilon: float | None = None
     delta: float = 1e-5
-    accountant: str | None = "rdp"
+    accountant: str | None = None
     calibration: str = "tight"
     shares: Mapping[str, float] | Literal["auto"] | None = None
     neighbouring: str | None = None

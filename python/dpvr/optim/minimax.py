@@ -14,6 +14,7 @@ coordinate's per-sample gradient is exactly zero and every clip norm is the norm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,9 @@ from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import DifferenceEstimator, Iterate, Radius, step_size
 from .gradients import ClippedGradients, check_loss
 from .sampling import BatchSampler
+
+Y_RELEASES = ("ascent", "output")  # how PrivateDiff makes y private
+_OUTPUT_CHUNK = 4096  # records per forward pass when the inner problem reads every record's output
 
 
 class _Point(nn.Module):
@@ -65,8 +69,8 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         *,
         plan: events.Plan,
         sampler: BatchSampler,
-        lr_y: float,
-        clip_y: float,
+        lr_y: float | None,
+        clip_y: float | None,
         y0: Tensor | None,
         noise: Mapping[str, float] | None,
         privacy: PrivacyConfig,
@@ -74,7 +78,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
     ) -> None:
         if len(inputs) != len(targets):
             raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
-        if not lr_y > 0:
+        if lr_y is not None and not lr_y > 0:
             raise ValueError(f"lr_y: must be > 0, got {lr_y}")
         d = problem.y_dim
 
@@ -85,7 +89,9 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         self.problem = problem  # before calibration: y's (public) length enters shares="auto"
         super().__init__(model, x_loss, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
         self.problem, self.inputs, self.targets, self.sampler = problem, inputs, targets, sampler
-        self.lr_y, self.clip_y = float(lr_y), float(clip_y)
+        # None where the algorithm takes no noisy ascent step (PrivateDiff with y_release="output")
+        self.lr_y = None if lr_y is None else float(lr_y)
+        self.clip_y = None if clip_y is None else float(clip_y)
         dtype = self.params[0].dtype
         start = problem.initial_y(dtype) if y0 is None else torch.as_tensor(y0, dtype=dtype)
         if tuple(start.shape) != (d,):
@@ -242,9 +248,7 @@ class PrivateDiff(MinimaxAlgorithm):
 
     Round ``r`` (1-based; the paper's ``r - 1``), at ``x_r`` with the public ``y_r``:
 
-    1. ``y_steps = T2`` noisy clipped ascent steps from ``y_r`` with ``x_r`` fixed, each on its own batch of
-       ``m = batch_size`` records: ``y <- Proj_Y(y + lr_y (mean_i clip_{C0}(grad_y f(x_r, y; z_i))
-       + N(0, (sigma_y C0)^2 I)))``; the result is ``y_{r+1}``;
+    1. ``y_{r+1}``, private before anything reads it, made one of two ways (``y_release``, below);
     2. one batch of ``m`` records; a checkpoint round (``(r - 1) % restart == 0``) resets the estimator to
        ``mean_i clip_{C1}(grad_x f(x_r, y_{r+1}; z_i)) + N(0, (sigma_x1 C1)^2 I)``; a difference round adds
        ``mean_i clip_{C_r}(grad_x f(x_r, y_{r+1}; z_i) - grad_x f(x_{r-1}, y_r; z_i))
@@ -253,26 +257,58 @@ class PrivateDiff(MinimaxAlgorithm):
 
     **Why y is private.** In the paper ``y_{r+1}`` is the output of noiseless clipped SGA, perturbed only
     after the x-gradient has used it, with a sensitivity bound (uniform stability) that holds in expectation,
-    not for every neighbouring pair. Here every ascent step is itself a Gaussian release: the clipped mean
-    moves by at most ``2 C0 / m`` when one record is replaced, so with noise std ``sigma_y C0`` on it the step
-    is a sampled Gaussian mechanism, and ``y_{r+1}``, built from released values and public constants only,
-    is private by post-processing before any x-gradient reads it. This is the plan
-    :class:`dpvr.privacy.events.PrivateDiffPlan` with ``y_release="ascent"`` (``steps * y_steps`` releases of
-    stream ``"y"``); we chose it because its guarantee needs no worst-case stability bound (none is known
-    for this problem class with sampled batches), and its cost is priced exactly by the accountant.
+    not for every neighbouring pair. dpvr releases ``y_{r+1}`` before any x-gradient reads it, either way:
+
+    - ``y_release="ascent"`` (default): ``y_steps = T2`` noisy clipped ascent steps from ``y_r`` with ``x_r``
+      fixed, each on its own batch of ``m`` records: ``y <- Proj_Y(y + lr_y (mean_i clip_{C0}(grad_y f(x_r,
+      y; z_i)) + N(0, (sigma_y C0)^2 I)))``. The clipped mean moves by at most ``2 C0 / m`` when one record
+      is replaced, so each step is a sampled Gaussian release (``steps * y_steps`` releases of stream
+      ``"y"``), and ``y_{r+1}`` is private by post-processing. Needs no property of the problem.
+    - ``y_release="output"``: solve the inner problem ``max_{y in Y} F(y) = (1/n) sum_i f(x_r, y; z_i)``
+      over *all* ``n`` training records to a certified accuracy ``tau`` (``y_tolerance``) and release
+      ``y_{r+1} = Proj_Y(y_hat + N(0, (sigma_y Delta)^2 I))``, ``Delta = gradient_range / (n mu) + 2 tau``
+      from the problem's public constants (:meth:`~dpvr.problems.MinimaxProblem.y_sensitivity`; a problem
+      that has none is refused). One unsampled Gaussian release of stream ``"y"`` per round, its noise
+      multiplier relative to ``Delta``.
+
+    **Proof of the output release's sensitivity** (replace-one, ``n`` public). ``x_r`` is a released
+    iterate, and record ``i``'s model output at ``x_r`` depends on record ``i`` alone, so replacing it
+    changes one term of ``F``. The exact maximisers then satisfy ``||y*(D) - y*(D')|| <= gradient_range / (n
+    mu)`` (:class:`~dpvr.problems.minimax.YSensitivity`). The solver returns a ``y_hat`` with ``||y_hat -
+    y*|| <= tau`` on each dataset, so ``||y_hat(D) - y_hat(D')|| <= Delta``, and the release is the Gaussian
+    mechanism with that sensitivity; the projection is post-processing. Every model output is read through
+    the problem's :meth:`~dpvr.problems.MinimaxProblem.bounded_outputs`, which maps a non-finite output to a
+    public admissible value, so a record with a non-finite score is still an admissible record and the bound
+    holds on every pair (``nonfinite="raise"`` raises instead). No clipping is used, so ``F`` keeps the
+    problem's strong concavity.
+
+    **The certificate.** Projected gradient ascent from the public ``y_r`` with step ``lr_y`` (default
+    ``1/L``, the problem's smoothness), for at most ``y_steps`` iterations. After the step ``y+ = Proj_Y(y +
+    lr_y grad F(y))``, with ``G = (y+ - y) / lr_y``: the projection's optimality gives ``<grad F(y) - G, u -
+    y+> <= 0`` for all ``u`` in ``Y``, and strong concavity with ``y*``'s optimality gives ``mu ||y+ - y*||^2
+    <= <grad F(y+), y* - y+>``; together ``||y+ - y*|| <= (||G|| + ||grad F(y+) - grad F(y)||) / mu`` for any
+    step size. The solver stops at the first ``y+`` whose bound, plus a float64 rounding allowance and the
+    rounding of ``y+`` to ``y``'s dtype, is at most ``tau``; it raises ``RuntimeError`` if none of its
+    ``y_steps`` iterations gets there (the round's y-release is then charged all the same, and the failure
+    itself depends on the data: choose ``y_steps`` with a margin; a quadratic ``F`` such as AUC-M's is
+    certified at the second iteration with the default step). ``tau`` is public (default 1% of
+    ``gradient_range / (n mu)``); the certificate's value is not released.
 
     **Privacy of x.** ``C_r`` depends on released iterates only and the noise std scales with it, so each
     x-round is a sampled Gaussian release of fixed noise multiplier (Lemma 8: sensitivity ``2C/m``). All
-    three streams are recorded in one accountant as they happen, behind the budget guard. Give
-    ``noise={"checkpoint": z1, "difference": z2, "y": z_y}`` (noise multipliers), ``noise=PaperSigmas(
-    checkpoint=sigma_x1, difference=sigma_x2, y=sigma_y)`` (noise std over the clip radius on the batch
-    mean) or ``privacy.epsilon`` to calibrate them jointly (``calibration="tight"``; Remark 5.1 prices the
-    paper's output perturbation, not these steps). Assumptions: batches drawn as stated (seeded from the
-    operating system unless ``runtime.sampler_seed`` is given); ``y0`` does not depend on the private data.
+    three streams are recorded in one accountant as they happen, behind the budget guard (the plan
+    :class:`dpvr.privacy.events.PrivateDiffPlan` with the same ``y_release``). Give ``noise={"checkpoint":
+    z1, "difference": z2, "y": z_y}`` (noise multipliers), ``noise=PaperSigmas(checkpoint=sigma_x1,
+    difference=sigma_x2, y=sigma_y)`` (noise std over the clip radius on the batch mean; output y: over
+    ``Delta``) or ``privacy.epsilon`` to calibrate them jointly (``calibration="tight"``; with
+    ``y_release="output"`` also Remark 5.1's ``calibration="paper"``). Assumptions: batches drawn as stated
+    (seeded from the operating system unless ``runtime.sampler_seed`` is given); ``y0`` does not depend on
+    the private data; with ``y_release="output"``, replace-one neighbours (the plan's relation).
 
-    The paper's ``C0, C1, C2, C3`` are ``clip["y"]``, ``clip["checkpoint"]`` and ``clip["difference"] =
-    (C2, C3)``; the difference round is :class:`~dpvr.optim.estimator.DifferenceEstimator`'s, its radius
-    capped at ``max_radius`` (default ``2 C1``; not in the paper: it keeps noise from feeding on itself).
+    The paper's ``C0, C1, C2, C3`` are ``clip["y"]`` (ascent only), ``clip["checkpoint"]`` and
+    ``clip["difference"] = (C2, C3)``; the difference round is
+    :class:`~dpvr.optim.estimator.DifferenceEstimator`'s, its radius capped at ``max_radius`` (default
+    ``2 C1``; not in the paper: it keeps noise from feeding on itself).
 
     Output: the last iterate (the model's parameters and :attr:`y`).
     """
@@ -287,7 +323,7 @@ class PrivateDiff(MinimaxAlgorithm):
         targets: Tensor,
         *,
         lr: float | None = None,
-        lr_y: float,
+        lr_y: float | None = None,
         steps: int,
         restart: int,
         y_steps: int,
@@ -295,6 +331,8 @@ class PrivateDiff(MinimaxAlgorithm):
         clip: Mapping[str, float | tuple[float, float]],
         noise: Mapping[str, float] | None = None,
         sampling: str = "wor",
+        y_release: str = "ascent",
+        y_tolerance: float | None = None,
         y0: Tensor | None = None,
         max_radius: float | None = None,
         optimizer: torch.optim.Optimizer | None = None,
@@ -302,18 +340,39 @@ class PrivateDiff(MinimaxAlgorithm):
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
         lr = step_size(lr, optimizer)
-        clip = stream_clips(clip, ("checkpoint", "difference", "y"), pairs=("difference",))
+        if y_release not in Y_RELEASES:
+            raise ValueError(f"y_release: must be one of {Y_RELEASES}, got {y_release!r}")
+        output = y_release == "output"
+        clip = stream_clips(
+            clip, ("checkpoint", "difference") if output else ("checkpoint", "difference", "y"),
+            pairs=("difference",),
+        )  # fmt: skip
         n = len(inputs)
+        if output:
+            self.y_constants = problem.y_sensitivity()  # refuses a problem without public constants
+            stability = self.y_constants.stability(n)
+            tolerance = 0.01 * stability if y_tolerance is None else float(y_tolerance)
+            if not (tolerance > 0 and math.isfinite(tolerance)):
+                raise ValueError(f"y_tolerance: must be finite and > 0, got {y_tolerance}")
+            self.y_tolerance = tolerance
+            self.y_sensitivity = stability + 2 * tolerance  # Delta: the release's replace-one sensitivity
+            lr_y = 1.0 / self.y_constants.smoothness if lr_y is None else lr_y
+        else:
+            self.y_constants = self.y_tolerance = self.y_sensitivity = None
+            if y_tolerance is not None:
+                raise ValueError("y_tolerance: only y_release='output' solves the inner problem")
+            if lr_y is None:
+                raise ValueError("lr_y: the ascent step size is required with y_release='ascent'")
         plan = events.PrivateDiffPlan(
-            n, n if sampling == "full" else batch_size, steps, restart, y_steps, sampling, y_release="ascent"
+            n, n if sampling == "full" else batch_size, steps, restart, y_steps, sampling, y_release=y_release
         )
-        # One sampler for the three streams: they draw at the same rate, each release its own batch.
+        # One sampler for the sampled streams: they draw at the same rate, each release its own batch.
         sampler = BatchSampler.for_stream(plan, "checkpoint", n, runtime.sampler_seed)
         super().__init__(
-            model, problem, inputs, targets, plan=plan, sampler=sampler, lr_y=lr_y, clip_y=clip["y"], y0=y0,
-            noise=noise, privacy=privacy, runtime=runtime,
-        )
-        self.clip = clip
+            model, problem, inputs, targets, plan=plan, sampler=sampler, lr_y=lr_y,
+            clip_y=None if output else clip["y"], y0=y0, noise=noise, privacy=privacy, runtime=runtime,
+        )  # fmt: skip
+        self.clip, self.y_release = clip, y_release
         self.lr, self.steps, self.restart, self.y_steps = lr, int(steps), int(restart), int(y_steps)
         self.optimizer = optimizer
         per_move, offset = clip["difference"]
@@ -340,14 +399,19 @@ class PrivateDiff(MinimaxAlgorithm):
         checkpoint = (r - 1) % self.restart == 0
         stream = "checkpoint" if checkpoint else "difference"
         radius = self.radius(checkpoint, self.x.move)
-        self._admit_round({"y": self.y_steps, stream: 1})  # the whole round fits, or none of it happens
-        # 1. y_{r+1}: y_steps noisy clipped ascent steps at x_r
+        y_releases = 1 if self.y_release == "output" else self.y_steps
+        self._admit_round({"y": y_releases, stream: 1})  # the whole round fits, or none of it happens
+        # 1. y_{r+1} at x_r, released before anything reads it
         self._y_prev.copy_(self.y)
-        dropped = 0
-        for _ in range(self.y_steps):
+        if self.y_release == "output":
             with self.releasing("y"):
-                dropped += self._y_gradient(self._draw())
-                self._y_step("y", m)
+                dropped = self._y_output()
+        else:
+            dropped = 0
+            for _ in range(self.y_steps):
+                with self.releasing("y"):
+                    dropped += self._y_gradient(self._draw())
+                    self._y_step("y", m)
         # 2-3. the estimator of grad_x L(x_r, y_{r+1}), reset or difference, and x_{r+1} = x_r - lr v
         with self.releasing(stream):
             batch = self._draw()
@@ -377,6 +441,64 @@ class PrivateDiff(MinimaxAlgorithm):
             "y": float(self.y.norm()),
             "nonfinite": dropped,
         }
+
+    # ---- y by output perturbation ---------------------------------------------------------------------
+    def _y_output(self) -> int:
+        """``y <- Proj_Y(y_hat + N(0, (sigma_y Delta)^2 I))``; returns the records with non-finite outputs."""
+        y_hat, dropped = self._solve_y()
+        self._y_sum.copy_(y_hat)
+        ops.noisy_update(
+            self._y_v, sum=[self._y_sum], scale=1.0, sigma=self.std("y", self.y_sensitivity), reset=True,
+            generator=self.generator, stream="y",
+        )  # fmt: skip
+        self.y.copy_(self.problem.project(self._y_v))
+        return dropped
+
+    def _outputs(self) -> tuple[Tensor, int]:
+        """Every training record's model output at the current ``x`` (float64, through the problem's
+        ``bounded_outputs``) and how many had a non-finite value."""
+        with torch.no_grad():
+            outputs = torch.cat([self.model(chunk) for chunk in self.inputs.split(_OUTPUT_CHUNK)]).double()
+        dropped = int((~torch.isfinite(outputs.reshape(len(outputs), -1))).any(dim=1).sum())
+        if dropped and self.nonfinite == "raise":
+            raise ops.NonFiniteError(f"{self.name}: {dropped} records have non-finite model outputs")
+        return self.problem.bounded_outputs(outputs), dropped
+
+    def _mean_y_grad(self, outputs: Tensor, y: Tensor) -> tuple[Tensor, float]:
+        """``grad F(y)`` over every record, and the mean per-record gradient norm (for the rounding
+        allowance)."""
+        grads = self.problem.y_grads(outputs, self.targets, y)
+        if not bool(torch.isfinite(grads).all()):
+            raise RuntimeError(
+                f"{type(self.problem).__name__}.bounded_outputs leaves non-finite y-gradients: its "
+                "y_sensitivity constants cannot hold"
+            )
+        return grads.mean(dim=0), float(grads.norm(dim=1).mean())
+
+    def _solve_y(self) -> tuple[Tensor, int]:
+        """``y_hat`` within ``y_tolerance`` of ``argmax_Y F`` at the current ``x``, certified (see the class
+        documentation), in ``y``'s dtype; and the number of records with non-finite outputs. Unnoised: a
+        value of the private data, never to be released as it is."""
+        outputs, dropped = self._outputs()
+        n, eps = len(outputs), torch.finfo(torch.float64).eps
+        mu, step = self.y_constants.strong_concavity, self.lr_y
+        y = self.y.double()  # the warm start y_r is public
+        g, size = self._mean_y_grad(outputs, y)
+        for _ in range(self.y_steps):
+            y_next = self.problem.project(y + step * g)
+            g_next, size_next = self._mean_y_grad(outputs, y_next)
+            # Rounding allowance: the two float64 means of n terms (summation error <= n eps sum |term|), the
+            # step's add and its projection.
+            rounding = 2 * eps * (n * (size + size_next) + float(y_next.norm()) / step + float(g.norm()))
+            bound = (float((y_next - y).norm()) / step + float((g_next - g).norm()) + rounding) / mu
+            y_hat = y_next.to(self.y.dtype)
+            if bound + float((y_hat.double() - y_next).norm()) <= self.y_tolerance:
+                return y_hat, dropped
+            y, g, size = y_next, g_next, size_next
+        raise RuntimeError(
+            f"{self.name}: the inner problem was not solved to y_tolerance={self.y_tolerance:g} in "
+            f"y_steps={self.y_steps} iterations; raise y_steps or y_tolerance"
+        )
 
     def _buffers(self) -> dict[str, list[Tensor]]:
         return {**super()._buffers(), "v": self.v.value, "prev": self.x.previous, "y_prev": [self._y_prev]}

@@ -14,7 +14,7 @@ import numpy as np
 from ..privacy.events import Plan
 from ..privacy.mechanism import Sampling
 
-SCHEMES = ("poisson", "wor", "full", "cyclic")
+SCHEMES = ("poisson", "wor", "full", "cyclic", "random-allocation")
 
 
 class BatchSampler:
@@ -22,7 +22,11 @@ class BatchSampler:
 
     ``"poisson"``: each record independently with probability ``batch_size / n`` (the batch size varies);
     ``"wor"``: ``batch_size`` distinct records uniformly at random; ``"full"``: every record;
-    ``"cyclic"``: consecutive disjoint batches in a fixed order (the last-iterate accountant's traversal).
+    ``"cyclic"``: consecutive disjoint batches in a fixed order (the last-iterate accountant's traversal);
+    ``"random-allocation"``: epochs of ``t = round(n / batch_size)`` steps; at the start of each epoch every
+    record is allocated to one of its steps uniformly at random, independently of the others, and step ``j``
+    draws the records allocated to it (the batch size varies; ``batch_size`` becomes the public normaliser
+    ``round(n / t)``).
     """
 
     def __init__(self, scheme: str, n: int, batch_size: int | None = None, seed: int | None = None) -> None:
@@ -36,11 +40,15 @@ class BatchSampler:
             raise ValueError(f"batch_size: must be in [1, {n}], got {batch_size}")
         if scheme == "cyclic" and n % batch_size:
             raise ValueError(f"batch_size: cyclic traversal needs it to divide the dataset size {n}")
+        self.steps_per_epoch = max(1, round(n / batch_size)) if scheme == "random-allocation" else None
+        if self.steps_per_epoch is not None:
+            batch_size = round(n / self.steps_per_epoch)
         self.scheme, self.n, self.batch_size = scheme, n, batch_size
         self._rng = np.random.default_rng(
             seed if seed is not None else int.from_bytes(os.urandom(8), "little")
         )
         self._position = 0
+        self._allocation: np.ndarray | None = None  # random allocation: each record's step in this epoch
 
     @classmethod
     def for_stream(cls, plan: Plan, stream: str, dataset_size: int, seed: int | None = None) -> BatchSampler:
@@ -53,6 +61,15 @@ class BatchSampler:
         charged = plan.stream_sampling(stream)
         if charged.scheme == "full":
             return cls("full", dataset_size, seed=seed)
+        if charged.scheme == "random-allocation":
+            # An epoch of t steps is what is charged; a larger shard keeps t (each record still in one step).
+            sampler = cls(charged.scheme, dataset_size, dataset_size / charged.steps_per_epoch, seed)
+            if sampler.steps_per_epoch != charged.steps_per_epoch:
+                raise ValueError(
+                    f"stream {stream!r}: {dataset_size} records cannot be allocated to epochs of the "
+                    f"{charged.steps_per_epoch} steps the plan charges"
+                )
+            return sampler
         batch = charged.batch_size if charged.scheme == "wor" else round(charged.rate * dataset_size)
         sampler = cls(charged.scheme, dataset_size, batch, seed)
         if sampler.rate > charged.rate * (1 + 1e-12):
@@ -66,10 +83,15 @@ class BatchSampler:
         """This sampler as the accountant describes a sampling scheme."""
         if self.scheme == "cyclic":
             raise ValueError("cyclic traversal is not a sampled scheme; its plan accounts it as a whole")
+        if self.scheme == "random-allocation":
+            return Sampling.make(self.scheme, sample_rate=1 / self.steps_per_epoch)
         return Sampling.make(self.scheme, batch_size=self.batch_size, dataset_size=self.n)
 
     @property
     def rate(self) -> float:
+        """The expected fraction of the records each step draws."""
+        if self.scheme == "random-allocation":
+            return 1 / self.steps_per_epoch
         return self.batch_size / self.n
 
     def draw(self) -> np.ndarray:
@@ -79,13 +101,22 @@ class BatchSampler:
             return np.flatnonzero(self._rng.random(self.n) < self.rate)
         if self.scheme == "wor":
             return np.sort(self._rng.choice(self.n, size=self.batch_size, replace=False))
+        if self.scheme == "random-allocation":
+            if self._position == 0:
+                self._allocation = self._rng.integers(self.steps_per_epoch, size=self.n)
+            step = self._position
+            self._position = (step + 1) % self.steps_per_epoch
+            return np.flatnonzero(self._allocation == step)
         start = self._position
         self._position = (start + self.batch_size) % self.n
         return np.arange(start, start + self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self._rng.bit_generator.state, "position": self._position}
+        allocation = None if self._allocation is None else self._allocation.tolist()
+        return {"rng": self._rng.bit_generator.state, "position": self._position, "allocation": allocation}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._rng.bit_generator.state = state["rng"]
         self._position = int(state["position"])
+        allocation = state.get("allocation")
+        self._allocation = None if allocation is None else np.asarray(allocation, dtype=np.int64)

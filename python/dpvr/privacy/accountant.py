@@ -32,6 +32,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from . import _checks
 from .mechanism import Mechanism
+from .random_allocation import (
+    LOG_GRID,
+    RandomAllocationDpEvent,
+    epochs,
+    is_random_allocation,
+    random_allocation_gaussian_pld,
+)
 from .relations import (
     ADD_REMOVE,
     DEFAULT_ORDERS,
@@ -41,8 +48,8 @@ from .relations import (
     for_accountant,
     is_wor_gaussian,
     make_accountant,
+    rdp_proxy,
     require_supported,
-    scale_noise,
     walk,
 )
 from .subsampling import PLD_DISCRETIZATION, wor_gaussian_pld
@@ -92,9 +99,13 @@ def _encode(value: Any) -> Any:
     return value
 
 
+_DPVR_EVENTS = {RandomAllocationDpEvent.__name__: RandomAllocationDpEvent}
+
+
 def event_from_dict(data: Mapping[str, Any]) -> dpa.DpEvent:
-    """Inverse of :func:`event_to_dict`; only dp_accounting's own event classes are accepted."""
-    cls = getattr(dp_event, str(data.get("type")), None)
+    """Inverse of :func:`event_to_dict`; only dp_accounting's own event classes and dpvr's
+    :class:`~dpvr.privacy.random_allocation.RandomAllocationDpEvent` are accepted."""
+    cls = _DPVR_EVENTS.get(str(data.get("type"))) or getattr(dp_event, str(data.get("type")), None)
     if not (isinstance(cls, type) and issubclass(cls, dpa.DpEvent)):
         raise ValueError(f"unknown DpEvent type {data.get('type')!r}")
     return cls(**{k: _decode(v) for k, v in data.items() if k != "type"})
@@ -148,11 +159,15 @@ def _rdp_curve(
     if acc.supports(exact_event):
         curve, exact = acc.compose(exact_event).rdp, True
     else:
-        # Only reachable with the PLD accountant (Poisson sampling under replace-one): shares are measured
-        # on the add/remove curve of the same release with twice the sensitivity.
-        proxy = make_accountant("rdp", ADD_REMOVE, orders)
-        proxy_event = scale_noise(event, 0.5)
-        curve, exact = (proxy.compose(proxy_event).rdp if proxy.supports(proxy_event) else None), False
+        # Only reachable with the PLD accountant (Poisson sampling under replace-one, random allocation):
+        # shares are measured on an RDP stand-in (relations.rdp_proxy).
+        proxy = rdp_proxy(event, neighbouring)
+        curve, exact = None, False
+        if proxy is not None:
+            proxy_event, relation = proxy
+            proxy_event = for_accountant(proxy_event, "rdp", relation)
+            stand_in = make_accountant("rdp", relation, orders)
+            curve = stand_in.compose(proxy_event).rdp if stand_in.supports(proxy_event) else None
     if curve is not None:
         curve = np.array(curve, dtype=float)
         curve.setflags(write=False)
@@ -383,8 +398,8 @@ class Accountant:
             )
             if not all(self._curve(e.event)[1] for e in self._ledger):
                 assumptions.append(
-                    "stream shares measured on an add/remove RDP proxy (twice the sensitivity) "
-                    "for Poisson-sampled replace-one releases"
+                    "stream shares measured on an RDP proxy: add/remove at twice the sensitivity for "
+                    "Poisson-sampled replace-one releases, Poisson sampling at rate 1/t for random allocation"
                 )
         if self._failure:
             assumptions.append(
@@ -464,14 +479,23 @@ class _ComposedPLD:
         self._pld = pld  # None: something recorded is not differentially private (a release without noise)
 
     @classmethod
-    def of(cls, entries: Sequence[_Entry], neighbouring: str) -> _ComposedPLD:
-        counts: dict[str, int] = {}
+    def of(
+        cls, entries: Sequence[_Entry], neighbouring: str, interval: float = PLD_DISCRETIZATION
+    ) -> _ComposedPLD:
+        """The ledger ``entries`` composed on the loss grid of width ``interval`` (the accountant's own grid
+        unless a calibration searches on a coarser one)."""
+        # A random-allocation step is priced by epoch, per stream: its releases are counted by the streams
+        # they serve (two streams' epochs are independent allocations) and charged ceil(count / t) epochs.
+        counts: dict[tuple[str, str], int] = {}
         for entry in entries:
             key = json.dumps(event_to_dict(entry.event), sort_keys=True)
-            counts[key] = counts.get(key, 0) + entry.count
-        total = privacy_loss_distribution.identity(PLD_DISCRETIZATION)  # nothing released
-        for key, count in counts.items():
-            pld = _event_pld(key, neighbouring) if count else total
+            owner = json.dumps(entry.parts) if is_random_allocation(entry.event) else ""
+            counts[owner, key] = counts.get((owner, key), 0) + entry.count
+        total = privacy_loss_distribution.identity(interval)  # nothing released
+        for (owner, key), count in counts.items():
+            if owner:
+                count = epochs(count, json.loads(key)["num_steps"])
+            pld = _event_pld(key, neighbouring, interval) if count else total
             if pld is None:
                 return cls(None)
             total = total.compose(pld.self_compose(count) if count > 1 else pld)
@@ -484,42 +508,66 @@ class _ComposedPLD:
         return 1.0 if self._pld is None else float(self._pld.get_delta_for_epsilon(epsilon))
 
 
-def pld_epsilon(mechanism: Mechanism, delta: float) -> float:
+def pld_epsilon(mechanism: Mechanism, delta: float, interval: float = PLD_DISCRETIZATION) -> float:
     """epsilon at ``delta`` of a whole run by the PLD accountant, composed exactly as :class:`Accountant`
-    composes a ledger (so that a calibration to epsilon is one the budget guard accepts)."""
+    composes a ledger (so that a calibration to epsilon is one the budget guard accepts).
+
+    ``interval`` is the width of the privacy-loss grid; the default is the accountant's. A coarser grid is
+    much cheaper and still pessimistic, and its epsilon differs from the accountant's by a margin that shrinks
+    about as ``interval**2`` (dp_accounting's connect-the-dots discretisation): calibration searches on it
+    and confirms on the accountant's grid."""
     entries = [_Entry(_parts(dict(r.parts)), r.step_event(), r.count) for r in mechanism.releases]
-    return _ComposedPLD.of(entries, mechanism.neighbouring).get_epsilon(delta)
+    return _ComposedPLD.of(entries, mechanism.neighbouring, interval).get_epsilon(delta)
 
 
 @functools.lru_cache(maxsize=128)
-def _event_pld(event_key: str, neighbouring: str) -> Any | None:
-    """The PLD of one release of the event ``event_key`` (its JSON form); ``None`` if it is not DP."""
-    return _build_pld(event_from_dict(json.loads(event_key)), neighbouring)
+def _event_pld(event_key: str, neighbouring: str, interval: float) -> Any | None:
+    """The PLD of one release of the event ``event_key`` (its JSON form) on the loss grid of width
+    ``interval``; ``None`` if it is not DP."""
+    return _build_pld(event_from_dict(json.loads(event_key)), neighbouring, interval)
 
 
-def _build_pld(event: dpa.DpEvent, neighbouring: str) -> Any | None:
-    """dp_accounting's PLD of ``event``, except that a Gaussian on a batch drawn without replacement (which
-    dp_accounting cannot price) gets dpvr's tight PLD (:func:`~dpvr.privacy.subsampling.wor_gaussian_pld`);
-    compositions holding one are composed here, on dp_accounting's grid. ``None`` if ``event`` is not DP
-    (dp_accounting flags a noiseless release instead of putting it in the PLD)."""
-    if neighbouring == REPLACE_ONE and any(is_wor_gaussian(e) for e in walk(event)):
+def _dpvr_priced(event: dpa.DpEvent, neighbouring: str) -> bool:
+    """Whether ``event`` is one dpvr prices itself (dp_accounting cannot)."""
+    return (neighbouring == REPLACE_ONE and is_wor_gaussian(event)) or is_random_allocation(event)
+
+
+def _build_pld(event: dpa.DpEvent, neighbouring: str, interval: float) -> Any | None:
+    """dp_accounting's PLD of ``event``, except for what dp_accounting cannot price: a Gaussian on a batch
+    drawn without replacement gets dpvr's tight PLD (:func:`~dpvr.privacy.subsampling.wor_gaussian_pld`), a
+    random-allocation step an epoch of
+    :func:`~dpvr.privacy.random_allocation.random_allocation_gaussian_pld` (``c`` self-composed steps:
+    ``ceil(c / t)`` epochs); compositions holding them are composed here, on the loss grid of width
+    ``interval``. ``None`` if ``event`` is not DP (dp_accounting flags a noiseless release instead of putting
+    it in the PLD)."""
+    if any(_dpvr_priced(e, neighbouring) for e in walk(event)):
+        if is_random_allocation(event):
+            noise = event.event.noise_multiplier
+            if noise <= 0:
+                return None
+            # The doubling's log grid must be a multiple of the loss grid; a coarse search coarsens both.
+            log_grid = max(LOG_GRID, interval)
+            return random_allocation_gaussian_pld(noise, event.num_steps, interval, log_grid)
         if is_wor_gaussian(event):
             noise, n, b = event.event.noise_multiplier, event.source_dataset_size, event.sample_size
-            return wor_gaussian_pld(noise, n, b) if noise > 0 or b == 0 else None
+            return wor_gaussian_pld(noise, n, b, interval) if noise > 0 or b == 0 else None
         if isinstance(event, dpa.SelfComposedDpEvent):
-            inner = _build_pld(event.event, neighbouring)
-            if event.count == 0 or inner is None:
-                return privacy_loss_distribution.identity(PLD_DISCRETIZATION) if event.count == 0 else None
-            return inner.self_compose(event.count)
+            inner = _build_pld(event.event, neighbouring, interval)
+            count = event.count
+            if is_random_allocation(event.event):
+                count = epochs(count, event.event.num_steps)
+            if count == 0 or inner is None:
+                return privacy_loss_distribution.identity(interval) if count == 0 else None
+            return inner.self_compose(count) if count > 1 else inner
         if isinstance(event, dpa.ComposedDpEvent):
-            total = privacy_loss_distribution.identity(PLD_DISCRETIZATION)
+            total = privacy_loss_distribution.identity(interval)
             for part in event.events:
-                pld = _build_pld(part, neighbouring)
+                pld = _build_pld(part, neighbouring, interval)
                 if pld is None:
                     return None
                 total = total.compose(pld)
             return total
-    accountant = make_accountant("pld", neighbouring)
+    accountant = make_accountant("pld", neighbouring, interval=interval)
     accountant.compose(event)
     if accountant._contains_non_dp_event:  # noqa: SLF001
         return None

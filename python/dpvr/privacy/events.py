@@ -197,7 +197,9 @@ class DPSGDPlan(Plan):
 
     Each step releases the sum of per-sample gradients clipped at ``C`` plus ``N(0, (z C)^2 I)`` (Opacus'
     convention; the step divides by a public batch size). Sampling: ``"poisson"`` (``sample_rate``),
-    ``"wor"`` (fixed batches without replacement; replace-one only), ``"full"`` (DP-GD). ``neighbouring``
+    ``"wor"`` (fixed batches without replacement; replace-one only), ``"full"`` (DP-GD),
+    ``"random-allocation"`` (epochs of ``t = round(n / batch_size)`` steps, each record in one random step of
+    each; add/remove only; priced by epoch, a partial last epoch as a whole one). ``neighbouring``
     defaults to :meth:`default_neighbouring` of the sampling, as :class:`dpvr.optim.DPSGD` does.
 
     Guarantee: the composition of ``steps`` (sampled) Gaussian mechanisms with noise multiplier ``z``.
@@ -218,9 +220,10 @@ class DPSGDPlan(Plan):
 
     @classmethod
     def default_neighbouring(cls, sampling: str | None = None) -> str:
-        """Add/remove for Poisson sampling (Abadi et al., Opacus), else replace-one: fixed-size batches are
-        accounted only under replace-one, and a full batch divides by ``n``, public only under replace-one."""
-        return ADD_REMOVE if sampling == "poisson" else REPLACE_ONE
+        """Add/remove for Poisson sampling (Abadi et al., Opacus) and random allocation (accounted only under
+        add/remove), else replace-one: fixed-size batches are accounted only under replace-one, and a full
+        batch divides by ``n``, public only under replace-one."""
+        return ADD_REMOVE if sampling in ("poisson", "random-allocation") else REPLACE_ONE
 
     @property
     def batch_sampling(self) -> Sampling:
@@ -425,9 +428,11 @@ class PrivateDiffPlan(Plan):
 
     - ``"ascent"`` (dpvr's choice): ``y_steps = T2`` noisy clipped ascent steps per round, each a sampled
       Gaussian release on ``m`` records (``z = sigma_y * m`` with noise ``sigma_y C0`` on the mean);
-    - ``"output"`` (the paper's): one Gaussian output perturbation of ``y_{r+1}`` per round, unsampled, with
-      ``z`` relative to a *worst-case* replace-one sensitivity of ``y_{r+1}`` (see
-      :func:`output_perturbation_multiplier`; the paper's uniform-stability bound is an expectation).
+    - ``"output"`` (the paper's form): one Gaussian output perturbation of ``y_{r+1}`` per round, unsampled,
+      with ``z`` relative to a *worst-case* replace-one sensitivity of ``y_{r+1}`` (see
+      :func:`output_perturbation_multiplier`; the paper's uniform-stability bound is an expectation, so
+      dpvr's algorithm solves the inner problem over all ``n`` records to a certified tolerance ``tau`` and
+      uses ``gradient_range / (n mu) + 2 tau``). ``y_steps`` then only caps the solver's iterations.
 
     Guarantee: adaptive composition of all three streams.
     """
@@ -471,7 +476,8 @@ class PrivateDiffPlan(Plan):
         y = (
             f"y: {self.y_steps} noisy clipped ascent steps per round, {self.batch_sampling.describe()}"
             if self.y_release == "ascent"
-            else "y: one output perturbation per round; noise multiplier relative to a worst-case sensitivity"
+            else "y: one output perturbation per round of y solved over all records; noise multiplier "
+            "relative to a worst-case sensitivity"
         )
         return (_PER_SAMPLE, _SAME_SAMPLE, f"x: {self.batch_sampling.describe()}", y)
 

@@ -25,9 +25,10 @@ from fractions import Fraction
 import dp_accounting as dpa
 
 from . import _checks
-from .relations import ADD_REMOVE, check_neighbouring
+from .random_allocation import RandomAllocationDpEvent
+from .relations import ADD_REMOVE, REPLACE_ONE, check_neighbouring
 
-SCHEMES = ("poisson", "wor", "full")
+SCHEMES = ("poisson", "wor", "full", "random-allocation")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,10 @@ class Sampling:
 
     ``"poisson"``: each record independently with probability ``rate``; ``"wor"``: a uniformly random
     subset of ``batch_size = rate * dataset_size`` records without replacement (accounted under replace-one
-    only: the dataset size is public); ``"full"``: every record (``rate`` = 1).
+    only: the dataset size is public); ``"full"``: every record (``rate`` = 1); ``"random-allocation"``:
+    epochs of ``t = 1 / rate`` steps in which every record is used in exactly one step, chosen uniformly at
+    random (balls-in-bins; accounted under add/remove only, by epoch:
+    :mod:`dpvr.privacy.random_allocation`).
     """
 
     scheme: str = "full"
@@ -54,6 +58,9 @@ class Sampling:
             batch = self.rate * n
             if abs(batch - round(batch)) > 1e-9 * n:
                 raise ValueError(f"sample_rate * dataset_size must be an integer batch size, got {batch!r}")
+        steps = 1 / self.rate
+        if self.scheme == "random-allocation" and abs(steps - round(steps)) > 1e-9 * steps:
+            raise ValueError(f"sample_rate must be 1/t for t steps per epoch, got {self.rate!r}")
 
     @classmethod
     def make(
@@ -67,7 +74,8 @@ class Sampling:
         """Build from whichever of rate / batch size / dataset size the caller has.
 
         For ``"wor"`` without a dataset size, the rate is written as an exact fraction ``b/n`` (dp_accounting
-        only uses ``b/n``).
+        only uses ``b/n``). For ``"random-allocation"`` an epoch has ``t = round(n / b)`` steps (expected
+        batch ``n / t``), or ``t = 1 / sample_rate``.
         """
         if scheme == "full":
             if batch_size is not None and dataset_size is not None and batch_size != dataset_size:
@@ -79,6 +87,8 @@ class Sampling:
         if batch_size is not None:
             batch_size = _checks.count("batch_size", batch_size, minimum=1)
             dataset_size = _checks.count("dataset_size", dataset_size, minimum=batch_size)
+            if scheme == "random-allocation":
+                return cls(scheme, 1 / max(1, round(dataset_size / batch_size)))
             return cls(scheme, batch_size / dataset_size, dataset_size if scheme == "wor" else None)
         if sample_rate is None:
             raise ValueError(
@@ -94,12 +104,22 @@ class Sampling:
         """The fixed batch size for ``"wor"``, else ``None``."""
         return round(self.rate * self.dataset_size) if self.scheme == "wor" else None
 
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """``t`` for ``"random-allocation"``, else ``None``."""
+        return round(1 / self.rate) if self.scheme == "random-allocation" else None
+
     def check(self, neighbouring: str) -> None:
         """Refuse a relation this sampling scheme cannot be accounted under."""
         if self.scheme == "wor" and check_neighbouring(neighbouring) == ADD_REMOVE:
             raise ValueError(
                 "sampling='wor' (fixed-size, without replacement) is accounted only under "
                 "neighbouring='replace-one'; use sampling='poisson' for add/remove"
+            )
+        if self.scheme == "random-allocation" and check_neighbouring(neighbouring) == REPLACE_ONE:
+            raise ValueError(
+                "sampling='random-allocation' is accounted only under neighbouring='add-remove' (a replaced "
+                "record's two values share one random step, for which no dominating pair is known)"
             )
 
     def wrap(self, event: dpa.DpEvent) -> dpa.DpEvent:
@@ -108,6 +128,8 @@ class Sampling:
             return dpa.PoissonSampledDpEvent(self.rate, event)
         if self.scheme == "wor":
             return dpa.SampledWithoutReplacementDpEvent(self.dataset_size, self.batch_size, event)
+        if self.scheme == "random-allocation":
+            return RandomAllocationDpEvent(self.steps_per_epoch, event)
         return event
 
     def describe(self) -> str:
@@ -115,6 +137,8 @@ class Sampling:
             return f"Poisson sampling, rate {self.rate:g}"
         if self.scheme == "wor":
             return f"fixed batches of {self.batch_size} of {self.dataset_size} without replacement"
+        if self.scheme == "random-allocation":
+            return f"random allocation: each record in one random step of every {self.steps_per_epoch}"
         return "full batch"
 
 

@@ -35,6 +35,7 @@ import dp_accounting as dpa
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from .random_allocation import RandomAllocationDpEvent, is_random_allocation
 from .subsampling import PLD_DISCRETIZATION
 
 REPLACE_ONE = "replace-one"
@@ -92,15 +93,19 @@ def for_accountant(event: dpa.DpEvent, accountant: str, neighbouring: str) -> dp
 
 
 def make_accountant(
-    accountant: str, neighbouring: str, orders: tuple[float, ...] | None = None
+    accountant: str,
+    neighbouring: str,
+    orders: tuple[float, ...] | None = None,
+    interval: float = PLD_DISCRETIZATION,
 ) -> dpa.PrivacyAccountant:
-    """A fresh dp_accounting accountant of the given kind."""
+    """A fresh dp_accounting accountant of the given kind (``orders`` for RDP, the loss grid's width
+    ``interval`` for PLD)."""
     if check_accountant(accountant) == "rdp":
         return rdp_privacy_accountant.RdpAccountant(
             orders=list(orders or DEFAULT_ORDERS), neighboring_relation=relation(neighbouring)
         )
     return pld_privacy_accountant.PLDAccountant(
-        neighboring_relation=relation(neighbouring), value_discretization_interval=PLD_DISCRETIZATION
+        neighboring_relation=relation(neighbouring), value_discretization_interval=interval
     )
 
 
@@ -121,11 +126,13 @@ def is_wor_gaussian(event: dpa.DpEvent) -> bool:
 
 
 def pld_stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
-    """``event`` with every sampled-without-replacement Gaussian replaced by its inner Gaussian.
+    """``event`` with every sampled-without-replacement or randomly allocated Gaussian replaced by its inner
+    Gaussian.
 
     dp_accounting's PLD accountant supports the result exactly when it supports everything in ``event`` that
-    dpvr does not price itself (:mod:`dpvr.privacy.subsampling`); used only to ask that question."""
-    if is_wor_gaussian(event):
+    dpvr does not price itself (:mod:`dpvr.privacy.subsampling`, :mod:`dpvr.privacy.random_allocation`);
+    used only to ask that question."""
+    if is_wor_gaussian(event) or is_random_allocation(event):
         return event.event
     if isinstance(event, dpa.ComposedDpEvent):
         return dpa.ComposedDpEvent([pld_stand_in(e) for e in event.events])
@@ -134,9 +141,42 @@ def pld_stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
     return event
 
 
+def rdp_proxy(event: dpa.DpEvent, neighbouring: str) -> tuple[dpa.DpEvent, str] | None:
+    """An RDP stand-in for an event the RDP accountant cannot price, used only to split a budget between
+    streams or to attribute a spend to them, never as a bound: a random-allocation step is read as Poisson
+    sampling at rate ``1/t`` (Feldman and Shenfeld 2025 bound it by Poisson at rate ``(1 + o(1))/t``), and
+    Poisson sampling under replace-one as add/remove at twice the sensitivity. ``(event, relation)`` in
+    dpvr's convention, or ``None`` when there is no stand-in."""
+    if isinstance(event, RandomAllocationDpEvent):
+        event = dpa.PoissonSampledDpEvent(1.0 / event.num_steps, event.event)
+    elif isinstance(event, dpa.ComposedDpEvent):
+        parts = [rdp_proxy(e, neighbouring) for e in event.events]
+        if any(p is None for p in parts) or len({p[1] for p in parts}) > 1:
+            return None
+        return dpa.ComposedDpEvent([p[0] for p in parts]), parts[0][1] if parts else neighbouring
+    elif isinstance(event, dpa.SelfComposedDpEvent):
+        inner = rdp_proxy(event.event, neighbouring)
+        return None if inner is None else (attr.evolve(event, event=inner[0]), inner[1])
+    if unsupported_reason(event, "rdp", neighbouring) is None:
+        return event, neighbouring
+    if neighbouring == REPLACE_ONE and unsupported_reason(scale_noise(event, 0.5), "rdp", ADD_REMOVE) is None:
+        return scale_noise(event, 0.5), ADD_REMOVE
+    return None
+
+
 def unsupported_reason(event: dpa.DpEvent, accountant: str, neighbouring: str) -> str | None:
     """Why ``accountant`` cannot account ``event`` under ``neighbouring``, or ``None`` if it can."""
     for sub in walk(event):
+        if isinstance(sub, RandomAllocationDpEvent):
+            if neighbouring == REPLACE_ONE:
+                return (
+                    "random allocation is accounted only under neighbouring='add-remove'; use "
+                    "sampling='wor' for replace-one"
+                )
+            if accountant == "rdp":
+                return "random allocation is priced by dpvr's PLD only; use accountant='pld'"
+            if not isinstance(sub.event, dpa.GaussianDpEvent):
+                return "dpvr's random-allocation PLD prices a Gaussian release only"
         if isinstance(sub, dpa.SampledWithoutReplacementDpEvent) and neighbouring == ADD_REMOVE:
             return (
                 "fixed-size sampling without replacement is accounted only under neighbouring='replace-one' "
@@ -167,6 +207,16 @@ def unsupported_reason(event: dpa.DpEvent, accountant: str, neighbouring: str) -
     if not probe.supports(for_accountant(event, accountant, neighbouring)):
         return f"dp_accounting's {accountant.upper()} accountant does not support {type(event).__name__}"
     return None
+
+
+def tightest_accountant(event: dpa.DpEvent, neighbouring: str) -> str:
+    """``"pld"`` where the PLD accountant (with dpvr's PLDs for fixed-size batches and random allocation)
+    prices ``event`` under ``neighbouring``, else ``"rdp"``.
+
+    Where both apply, PLD is the tighter: it is exact up to a pessimistic discretisation, where RDP loses in
+    its conversion to ``(epsilon, delta)`` and, for fixed-size batches, in dp_accounting's generic bound
+    (about twice PLD's noise for the same budget)."""
+    return "pld" if unsupported_reason(event, "pld", neighbouring) is None else "rdp"
 
 
 def require_supported(event: dpa.DpEvent, accountant: str, neighbouring: str) -> None:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import norm
 
@@ -72,6 +72,66 @@ def _dense(pmf: pld_pmf.PLDPmf) -> tuple[np.ndarray, np.ndarray, float]:
     probs = np.asarray(dense._probs, dtype=float)  # noqa: SLF001
     lower = int(dense._lower_loss)  # noqa: SLF001
     return np.arange(lower, lower + probs.size), probs, float(dense._infinity_mass)  # noqa: SLF001
+
+
+def _gaussian_pmf(
+    noise: float, sensitivity: float, sampling_prob: float, remove: bool, interval: float
+) -> pld_pmf.PLDPmf:
+    """One direction of dp_accounting's pessimistic connect-the-dots PMF of a (Poisson-subsampled) Gaussian,
+    as ``privacy_loss_distribution.from_gaussian_mechanism`` builds it (same loss, tails and grid), but with
+    the hockey-stick divergence evaluated on the whole epsilon grid at once.
+
+    dp_accounting inverts the privacy loss point by point in Python; the grid has ``range / interval``
+    points, 10^5 to 10^6 at the low noise of a large budget, where that loop takes seconds. The
+    inverse is closed-form (``x = -s/2 - sd^2 l / s`` before subsampling, ``l = log(1 + (e^eps - 1)/q)`` for
+    remove and ``-log(1 + (e^-eps - 1)/q)`` for add), so it vectorises exactly.
+    """
+    kinds = privacy_loss_mechanism.AdjacencyType
+    adjacency = kinds.REMOVE if remove else kinds.ADD
+    loss = privacy_loss_mechanism.GaussianPrivacyLoss(
+        noise, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=adjacency
+    )
+    bounds = loss.connect_dots_bounds()
+    lower = math.floor(bounds.epsilon_lower / interval)
+    upper = math.ceil(bounds.epsilon_upper / interval)
+    eps = np.arange(lower, upper + 1) * interval
+    q, s = sampling_prob, sensitivity
+    deltas = np.zeros_like(eps)
+    if q == 1:
+        inside = np.ones_like(eps, dtype=bool)
+        unsampled = eps if remove else -eps
+    else:
+        # log(a e^b + c) with a = 1/q, c = 1 - 1/q < 0, b = +-eps, as dp_accounting computes it (log_sub).
+        b = eps if remove else -eps
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shifted = b - math.log(q)
+            unsampled = shifted + np.log1p(-np.exp(math.log(1 / q - 1) - shifted))
+        inside = eps > math.log1p(-q) if remove else eps < -math.log1p(-q)
+        if remove:
+            deltas[~inside] = -np.expm1(eps[~inside])
+        unsampled = unsampled if remove else -unsampled
+    x = -0.5 * s - unsampled[inside] * noise**2 / s + (0.0 if remove else s)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        deltas[inside] = loss.mu_upper_cdf(x) - np.exp(eps[inside] + loss.mu_lower_log_cdf(x))
+    deltas = np.clip(deltas, 0, 1)
+    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(interval, lower, upper, deltas)
+
+
+def gaussian_pld(
+    noise_multiplier: float,
+    sensitivity: float,
+    sampling_prob: float = 1.0,
+    interval: float = PLD_DISCRETIZATION,
+) -> pld_lib.PrivacyLossDistribution:
+    """dp_accounting's ``from_gaussian_mechanism(noise_multiplier, sensitivity, sampling_prob=...)``
+    (add/remove, pessimistic, connect-the-dots), built by :func:`_gaussian_pmf`: the same PLD (to float
+    round-off), several times faster, most of all at low noise."""
+    remove = _gaussian_pmf(noise_multiplier, sensitivity, sampling_prob, True, interval)
+    if sampling_prob == 1:
+        return pld_lib.PrivacyLossDistribution(remove)
+    return pld_lib.PrivacyLossDistribution(
+        remove, _gaussian_pmf(noise_multiplier, sensitivity, sampling_prob, False, interval)
+    )
 
 
 def wor_gaussian_pld(
@@ -96,10 +156,8 @@ def wor_gaussian_pld(
     if b == 0:  # nothing is released
         return pld_lib.identity(d)
     if b == n:  # every record is used: the plain Gaussian, shifted by 2C
-        return pld_lib.from_gaussian_mechanism(z, sensitivity=2.0, value_discretization_interval=d)
-    directions = pld_lib.from_gaussian_mechanism(
-        z, sensitivity=2.0, sampling_prob=b / n, value_discretization_interval=d
-    )
+        return gaussian_pld(z, 2.0, 1.0, d)
+    directions = gaussian_pld(z, 2.0, b / n, d)
     remove, add = directions._pmf_remove, directions._pmf_add  # noqa: SLF001 - the two directions' PMFs
     r_loss, r_prob, r_inf = _dense(remove)
     a_loss, a_prob, a_inf = _dense(add)
@@ -138,4 +196,4 @@ def wor_gaussian_delta(epsilon: float, noise_multiplier: float, dataset_size: in
     return positive if epsilon >= 0 else 1 - math.exp(epsilon) + math.exp(epsilon) * positive
 
 
-__all__ = ["PLD_DISCRETIZATION", "wor_gaussian_delta", "wor_gaussian_pld"]
+__all__ = ["PLD_DISCRETIZATION", "gaussian_pld", "wor_gaussian_delta", "wor_gaussian_pld"]
