@@ -147,3 +147,42 @@ def test_a_factory_without_an_error_proxy_is_refused():
 def test_a_minimax_y_without_its_dimension_is_refused():
     with pytest.raises(ValueError, match=r"missing \['y'\]"):
         _noise(PD_PLAN, "auto", stream_dimensions(PD_PLAN, 2000))
+
+
+def test_units_scale_a_streams_weight_and_bad_units_are_refused():
+    from dpvr.privacy.allocation import proxy_weights
+
+    plan = PrivateDiffPlan(1000, 100, 20, 5, 3)
+    dims = {"checkpoint": 500, "difference": 500, "y": 1}
+    plain = proxy_weights(plan, dims)
+    scaled = proxy_weights(plan, dims, {"y": 1e-3})
+    assert scaled["y"] == pytest.approx(plain["y"] * 1e-6)
+    assert {s: scaled[s] for s in ("checkpoint", "difference")} == {
+        s: plain[s] for s in ("checkpoint", "difference")
+    }
+    with pytest.raises(ValueError, match="not a stream"):
+        proxy_weights(plan, dims, {"x": 1.0})
+    with pytest.raises(ValueError, match="finite and > 0"):
+        proxy_weights(plan, dims, {"y": 0.0})
+
+
+def test_output_y_is_weighted_by_its_sensitivity_so_auto_moves_budget_to_x():
+    """PrivateDiff's output-perturbed y has noise relative to Delta ~ 1/(n p (1-p)), far below C1: with its
+    unit in the proxy, shares="auto" gives x a smaller noise multiplier than equal shares do."""
+    from torch import nn
+
+    from dpvr.objectives import AUCMargin, AUCModel
+    from dpvr.optim import PrivateDiff
+
+    torch.manual_seed(0)
+    x, y = torch.rand(400, 6), (torch.rand(400) < 0.5).long()
+    noise = {}
+    for shares in (None, "auto"):
+        model = AUCModel(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1)))
+        alg = PrivateDiff(model, AUCMargin(0.5), x, y, lr=0.1, steps=20, restart=2, y_steps=3, batch_size=40,
+                          clip={"checkpoint": 1.0, "difference": (1.0, 0.1)}, y_release="output",
+                          privacy=PrivacyConfig(epsilon=1.0, delta=1e-5, shares=shares, accountant="rdp"))
+        assert alg._noise_units() == {"y": pytest.approx(alg.y_sensitivity)}
+        noise[shares] = alg.noise
+    assert noise["auto"]["checkpoint"] < 0.8 * noise[None]["checkpoint"]
+    assert noise["auto"]["y"] > noise[None]["y"]

@@ -137,6 +137,7 @@ class PrivateAlgorithm:
                     if privacy.shares == "auto"
                     else None
                 ),
+                units=self._noise_units() if privacy.shares == "auto" else None,
                 **(privacy.paper_options if privacy.calibration == "paper" else {}),
             )
         elif isinstance(noise, PaperSigmas):
@@ -259,6 +260,11 @@ class PrivateAlgorithm:
 
     def _parameter_count(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    def _noise_units(self) -> dict[str, float] | None:
+        """For ``shares="auto"``: the public radius or sensitivity each stream's noise multiplier is relative
+        to, relative to the others' (``None``: equal). Called during construction, before calibration."""
+        return None
 
     def std(self, stream: str, unit: float) -> float:
         """The noise std of a release of ``stream`` whose per-record unit of sensitivity is ``unit`` (its

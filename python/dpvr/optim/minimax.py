@@ -60,6 +60,8 @@ class _WithY(nn.Module):
 class MinimaxAlgorithm(PrivateAlgorithm):
     """What DP-SGDA and PrivateDiff share: data, sampling, ``y`` and its noisy clipped ascent step."""
 
+    _units: dict[str, float]  # set by each subclass before calibration: see _noise_units
+
     def __init__(
         self,
         model: nn.Module,
@@ -108,6 +110,9 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         )
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self._y_sum, self._y_v, self._y_scratch = (torch.zeros_like(self.y) for _ in range(3))
+
+    def _noise_units(self) -> dict[str, float]:
+        return self._units
 
     # ---- x-gradients at (x, y) points -------------------------------------------------------------------
     def _point(self, x: Sequence[Tensor], y: Tensor) -> list[Tensor]:
@@ -211,6 +216,7 @@ class DPSGDA(MinimaxAlgorithm):
     ) -> None:
         lr = step_size(lr, optimizer)
         clip = stream_clips(clip, ("x", "y"))
+        self._units = {"y": clip["y"] / clip["x"]}  # shares="auto": y's noise is relative to C2, x's to C1
         n = len(inputs)
         plan = events.DPSGDAPlan(n, n if sampling == "full" else batch_size, steps, sampling)
         sampler = BatchSampler.for_stream(plan, "x", n, runtime.sampler_seed)  # x and y share its batch
@@ -363,6 +369,8 @@ class PrivateDiff(MinimaxAlgorithm):
                 raise ValueError("y_tolerance: only y_release='output' solves the inner problem")
             if lr_y is None:
                 raise ValueError("lr_y: the ascent step size is required with y_release='ascent'")
+        # shares="auto": the y noise is relative to Delta (output) or C0 (ascent), the x noise to C1
+        self._units = {"y": (self.y_sensitivity if output else clip["y"]) / clip["checkpoint"]}
         plan = events.PrivateDiffPlan(
             n, n if sampling == "full" else batch_size, steps, restart, y_steps, sampling, y_release=y_release
         )

@@ -26,10 +26,14 @@ with, for stream ``s``:
   ``1 / T_2`` (with ``l / mu^2`` taken as 1). One-step releases (DP-SGDA's x and y, the STORM value, an
   output perturbation) have exposure 1.
 
-Only public quantities enter: the plan (counts, schedule, batch sizes) and the dimensions. What the proxy
-leaves out, knowingly: clip radii (taken equal across streams; a difference radius ``C_2 ||x_r - x_{r-1}||``
-is unknown before the run and usually smaller than the reset radius, which would move budget away from
-difference streams) and the problem's constants (``l``, ``mu``, step sizes).
+Only public quantities enter: the plan (counts, schedule, batch sizes), the dimensions and, optionally,
+``units_s``: the public quantity each stream's noise multiplier is relative to (its clip radius, or an output
+perturbation's sensitivity), relative to the others, which multiplies ``scale_s`` (default 1: equal radii).
+PrivateDiff's ``y`` by output perturbation needs it: its noise is relative to a sensitivity ``Delta`` of
+order ``1/n``, three orders of magnitude below the x-streams' clip radius. What the proxy leaves out,
+knowingly: a difference radius ``C_2 ||x_r - x_{r-1}||`` (unknown before the run and usually smaller than
+the reset radius, which would move budget away from difference streams; taken equal to it) and the
+problem's constants (``l``, ``mu``, step sizes).
 
 Minimising ``V`` under the budget. At the run's RDP order ``alpha``, a release spends ``R_s(z_s)`` of the RDP
 budget ``E``. With ``R_s = k_s / z_s^2`` (an unsampled Gaussian exactly, a sampled one at small rates) and
@@ -151,10 +155,14 @@ def stream_dimensions(plan: Plan, parameters: int, problem: HasYDim | None = Non
     return dimensions
 
 
-def proxy_weights(plan: Plan, dimensions: Mapping[str, int] | None) -> dict[str, float]:
-    """``W_s = d_s * exposure_s * scale_s^2``: the proxy is ``sum_s W_s z_s^2`` (see the module docs).
+def proxy_weights(
+    plan: Plan, dimensions: Mapping[str, int] | None, units: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """``W_s = d_s * exposure_s * (units_s * scale_s)^2``: the proxy is ``sum_s W_s z_s^2`` (see the module
+    docs).
 
-    ``dimensions`` must give every stream with releases a length >= 1 and name no other stream.
+    ``dimensions`` must give every stream with releases a length >= 1 and name no other stream; ``units``
+    (default 1 per stream) may name some of the streams, each with a finite unit > 0.
     """
     streams = tuple(plan.streams)
     given = dict(dimensions or {})
@@ -167,13 +175,25 @@ def proxy_weights(plan: Plan, dimensions: Mapping[str, int] | None) -> dict[str,
     for stream, d in given.items():
         if isinstance(d, bool) or not float(d).is_integer() or d < 1:
             raise ValueError(f"dimension of stream {stream!r}: must be an integer >= 1, got {d!r}")
+    unit = dict.fromkeys(streams, 1.0)
+    for stream, value in (units or {}).items():
+        if stream not in unit:
+            raise ValueError(f"units: {stream!r} is not a stream of the plan {streams}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"unit of stream {stream!r}: must be finite and > 0, got {value!r}")
+        unit[stream] = float(value)
     carried = exposures(plan)
-    return {s: given[s] * carried[s] * _scale(plan, s) ** 2 for s in streams}
+    return {s: given[s] * carried[s] * (unit[s] * _scale(plan, s)) ** 2 for s in streams}
 
 
-def proxy(plan: Plan, noise: Mapping[str, float], dimensions: Mapping[str, int]) -> float:
+def proxy(
+    plan: Plan,
+    noise: Mapping[str, float],
+    dimensions: Mapping[str, int],
+    units: Mapping[str, float] | None = None,
+) -> float:
     """The error proxy ``V`` of a run of ``plan`` with noise multipliers ``noise``."""
-    weights = proxy_weights(plan, dimensions)
+    weights = proxy_weights(plan, dimensions, units)
     return math.fsum(w * noise[s] ** 2 for s, w in weights.items())
 
 

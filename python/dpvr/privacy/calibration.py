@@ -72,6 +72,7 @@ def calibrate(
     accountant: str = "rdp",
     calibration: str = "tight",
     dimensions: Mapping[str, int] | None = None,
+    units: Mapping[str, float] | None = None,
     **paper_options: Any,
 ) -> dict[str, float]:
     """Noise multiplier of every stream so that the run is ``(epsilon, delta)``-DP.
@@ -79,8 +80,9 @@ def calibrate(
     ``shares`` (tight only) maps each stream to its part of the RDP budget; they are normalised to sum to
     one. ``shares="auto"`` minimises :func:`dpvr.privacy.allocation.proxy` instead, which needs the length
     of every stream's released vector, ``dimensions={stream: d}`` (the algorithm's public shapes; ignored
-    otherwise). ``paper_options`` go to the plan's ``paper_noise`` (e.g. ``u`` for DIFF2, ``gaussian`` for
-    the phased framework).
+    otherwise), and optionally ``units={stream: u}``, the public radius or sensitivity a stream's noise
+    multiplier is relative to, relative to the other streams' (default 1). ``paper_options`` go to the
+    plan's ``paper_noise`` (e.g. ``u`` for DIFF2, ``gaussian`` for the phased framework).
     """
     epsilon = _checks.positive("epsilon", epsilon)
     delta = _checks.delta(delta)
@@ -100,7 +102,7 @@ def calibrate(
     if not names:
         raise ValueError("the mechanism has no noise streams to calibrate")
     if shares == "auto":
-        proxy = proxy_weights(factory, dimensions)  # type: ignore[arg-type]  # a plan, or refused there
+        proxy = proxy_weights(factory, dimensions, units)  # type: ignore[arg-type]  # a plan, or refused there
         weights = _shares(names, None)
     else:
         proxy = None
