@@ -38,7 +38,10 @@ def serve(
     x, y = shard
     if len(x) == 0 or len(x) != len(y):
         raise ValueError(f"client {client}: needs matching, non-empty inputs and targets")
-    gradients = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
+    # Rounds see the whole shard at x_{r-1} again in the next round: keep that recording (checked before every
+    # reuse), as DIFF2-GD does in-process; local steps draw fresh batches and recompute.
+    rounds = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size, reuse_recording=True)
+    local = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
     params = [p for _, p in trainable_parameters(model)]
     flat = [p.detach().view(-1) for p in params]
     numels = [t.numel() for t in flat]
@@ -79,7 +82,7 @@ def serve(
                 anchor.copy_(payload[:dim])
                 local_prev.copy_(anchor)
                 load(anchor)
-                dropped = clipped_mean(gradients, x, y, radius, out, None if restart else shaped(anchor_prev))
+                dropped = clipped_mean(rounds, x, y, radius, out, None if restart else shaped(anchor_prev))
             else:
                 index = torch.empty(int(batch), dtype=torch.int64, device=device)
                 if batch:
@@ -88,7 +91,7 @@ def serve(
                 receive(point)
                 load(point)
                 index = index.cpu()
-                dropped = clipped_mean(gradients, x[index], y[index], radius, out, shaped(local_prev))
+                dropped = clipped_mean(local, x[index], y[index], radius, out, shaped(local_prev))
                 local_prev.copy_(point)
             status[:] = torch.tensor([OK, dropped], dtype=torch.float64)
             reply = torch.cat(out)
