@@ -245,10 +245,11 @@ def test_differences_at_identical_points_are_exactly_zero(name, backend) -> None
     assert all((s == 0).all() for s in result.sums)
 
 
-@pytest.mark.parametrize("form", ["gram", "direct", "auto"])
+@pytest.mark.parametrize("name", ["sequence", "cnn"])
+@pytest.mark.parametrize("form", ["gram", "direct", "auto"])  # "auto" materialises these layers' matrices
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_both_norm_forms_on_sequences(form, backend) -> None:
-    model, x, y, loss_fn = build("sequence", torch.float64)
+def test_every_norm_form_on_layers_with_steps(name, form, backend) -> None:
+    model, x, y, loss_fn = build(name, torch.float64)
     point_a, point_b = trainable(model), moved(trainable(model))
     grads_a, grads_b = per_sample_grads_at_two_points(model, loss_fn, x, y, point_a, point_b)
     ghost = GhostClipper(model, loss_fn, norm_form=form, backend=backend)

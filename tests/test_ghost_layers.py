@@ -364,9 +364,9 @@ def test_conv_activations_match_unfold() -> None:
     nn.Conv3d(3, 4, 2, padding="same", padding_mode="replicate"),
 ], ids=["strided", "same-zeros", "reflect", "valid", "1d", "3d-same"])
 def test_conv_clipped_sums_are_the_unfolded_matmuls(conv) -> None:
-    """A convolution's clipped sum (its weight gradient of scaled output gradients) equals the matmul of the
-    unfolded patches that its norms are computed from, for a gradient and a difference, with and without
-    dropped samples."""
+    """A convolution's clipped sum (its weight gradient of scaled output gradients) and its per-sample
+    matrices (the weight gradient per sample) equal the matmuls of the unfolded patches that its norms are
+    otherwise computed from, for a gradient and a difference, with and without dropped samples."""
     from dpvr.grads.ghost.linear import ConvOuter, ConvRule
     from dpvr.grads.ghost.rules import LayerCall, Outer
 
@@ -383,46 +383,61 @@ def test_conv_clipped_sums_are_the_unfolded_matmuls(conv) -> None:
     for part in (rule.gradient([call])["weight"], rule.difference([call], [call_b], f, 1 - f)["weight"]):
         assert isinstance(part, ConvOuter)
         for p in (part, part.drop(bad)):
-            torch.testing.assert_close(p.total(f, shape), Outer(p.pieces).total(f, shape), rtol=1e-12,
-                                       atol=1e-12)
+            unfolded = Outer(p.pieces)
+            torch.testing.assert_close(p.total(f, shape), unfolded.total(f, shape), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(p.per_sample(), unfolded.per_sample(), rtol=1e-12, atol=1e-12)
+            assert p.sizes() == unfolded.sizes()
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention with the mask and attention-weight options of the decomposed forward."""
+
+    def __init__(self, batch_first: bool, masks: str, weights: str) -> None:
+        super().__init__()
+        self.batch_first, self.masks, self.weights = batch_first, masks, weights
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=batch_first)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        kwargs: dict = {"need_weights": self.weights != "unused"}
+        if self.masks in ("padding", "both"):
+            kwargs["key_padding_mask"] = (x[..., 0] > 1.0) & (torch.arange(x.shape[1]) > 0)
+        if self.masks == "float-padding":
+            kwargs["key_padding_mask"] = x[..., 1].detach()
+        if self.masks == "both":
+            kwargs["attn_mask"] = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), diagonal=2)
+        if self.weights != "unused":
+            kwargs["average_attn_weights"] = self.weights == "averaged"
+        h = x if self.batch_first else x.transpose(0, 1)
+        out, attn = self.attention(h, h, h, **kwargs)
+        out = out if self.batch_first else out.transpose(0, 1)
+        pooled = out.mean(dim=1)
+        if attn is not None:  # the loss reads the attention weights too
+            pooled = pooled + attn.reshape(x.shape[0], -1).mean(dim=1, keepdim=True)
+        return self.head(pooled)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("masks", ["none", "padding", "float-padding", "both"])
 @pytest.mark.parametrize("weights", ["unused", "averaged", "per-head"])
-def test_batched_attention_gradients_match_the_per_sample_vjp(batch_first, masks, weights) -> None:
-    """The batched recomputation of MultiheadAttention's per-sample gradients against the per-sample
-    vector-Jacobian product of the module, for every mask and attention-weight option it accepts."""
-    from dpvr.grads.ghost.attention import MultiheadAttentionRule
-    from dpvr.grads.ghost.fallback import VjpRule
-    from dpvr.grads.ghost.rules import LayerCall
+def test_recorded_attention_gradients_match_per_sample_gradients(batch_first, masks, weights,
+                                                                  monkeypatch) -> None:
+    """MultiheadAttention's decomposed forward (its projections and attended values recorded) gives the
+    per-sample gradients of one backward pass per sample through the module's own forward, for every mask
+    and attention-weight option it accepts — without the per-sample vector-Jacobian product."""
+    from dpvr.grads.ghost import fallback
 
     torch.manual_seed(0)
-    attention = nn.MultiheadAttention(6, 2, batch_first=batch_first).double()
-    names = [n for n, _ in attention.named_parameters()]
-    rule = MultiheadAttentionRule(attention, names)
-    length, keys = 4, 5
-    q, kv = (torch.randn(BATCH, n, 6, dtype=torch.float64) for n in (length, keys))
-    args = (q, kv, kv) if batch_first else (q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1))
-    kwargs = {}
-    padding = torch.rand(BATCH, keys) < 0.3
-    padding[:, 0] = False  # every query sees a key
-    if masks in ("padding", "both"):
-        kwargs["key_padding_mask"] = padding
-    if masks == "float-padding":
-        kwargs["key_padding_mask"] = torch.randn(BATCH, keys, dtype=torch.float64)
-    if masks == "both":
-        kwargs["attn_mask"] = torch.triu(torch.ones(length, keys, dtype=torch.bool), diagonal=2)
-    if weights != "unused":
-        kwargs["average_attn_weights"] = weights == "averaged"
-    out, attn = attention(*args, **kwargs)
-    grads = [torch.randn_like(out), None if weights == "unused" else torch.randn_like(attn)]
-    call = LayerCall(args, kwargs, grads, {n: p.detach() for n, p in attention.named_parameters()}, BATCH)
-    batched = rule._batched(call)
-    assert batched is not None
-    want = VjpRule.gradient(rule, [call])
-    for name in names:
-        torch.testing.assert_close(batched[name], want[name].u, rtol=1e-10, atol=1e-12)
+    model = MaskedAttention(batch_first, masks, weights).double()
+    x, y = torch.randn(BATCH, 5, 6, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
+    point, point_b = trainable(model), moved(trainable(model))
+    grads, grads_b = reference_grads(model, x, y, point), reference_grads(model, x, y, point_b)
+    monkeypatch.setattr(fallback, "per_sample_vjp", None)  # any use of the fallback fails
+    ghost = GhostClipper(model, squared)
+    clip = float(clipped(grads, 1e9)[1].median())
+    assert_matches(ghost.clipped_sum(x, y, clip), clipped(grads, clip))
+    assert_matches(ghost.clipped_diff_sum(x, y, point, point_b, clip), clipped(grads, clip, grads_b))
+    assert "forward" not in vars(model.attention)  # the module's own forward is back
 
 
 def test_attention_outside_the_batched_configuration_takes_the_vjp() -> None:
@@ -436,5 +451,21 @@ def test_attention_outside_the_batched_configuration_takes_the_vjp() -> None:
     call = LayerCall((x, x, x), {"need_weights": False}, [torch.randn_like(out), None],
                      {n: p.detach() for n, p in attention.named_parameters()}, BATCH)
     rule = MultiheadAttentionRule(attention, names)
-    assert rule._batched(call) is None
+    assert rule.recording_forward((x, x, x), {"need_weights": False}) is None
     assert set(rule.gradient([call])) == set(names)
+
+
+def test_only_layers_with_steps_and_small_matrices_are_materialised() -> None:
+    """A per-sample matrix is formed only where it is no larger than the recorded tensors it comes from."""
+    from dpvr.grads.ghost.rules import Outer
+
+    def outer(steps: int, p: int, q: int) -> Outer:
+        return Outer([(torch.zeros(2, steps, p), torch.zeros(2, steps, q))])
+
+    assert not Outer([(torch.zeros(2, 3), torch.zeros(2, 4))]).worth_materialising()  # one step: Gram
+    assert not outer(1, 3, 4).worth_materialising()
+    assert outer(64, 64, 128).worth_materialising()  # a transformer's feed-forward layer
+    assert not outer(4, 512, 512).worth_materialising()  # a wide layer at few steps
+    m, n = torch.randn(2, 3, 2, dtype=torch.float64), torch.randn(2, 3, 5, dtype=torch.float64)
+    expected = 3 * torch.einsum("btq,btp->bqp", n, m)
+    torch.testing.assert_close(Outer([(m, n), (2 * m, n)]).per_sample(), expected)

@@ -2,11 +2,12 @@
 called), so the module is one unit that owns them, with materialised per-sample gradients.
 
 In the common configuration (packed input projection, no ``bias_k``/``bias_v``, no zero attention, no
-active dropout; a ``key_padding_mask``, a 2-D ``attn_mask`` and attention weights read by the loss are
-fine) the per-sample gradients come from one batched pass: the recorded call's projections and attention
-are recomputed for the whole batch with autograd, the output gradient is pulled back to the projected
-queries, keys and values, and each projection's per-sample gradient is the batched product of those
-gradients and its inputs. Any other call takes the per-sample vector-Jacobian product of the module.
+active dropout, no ``is_causal``; a ``key_padding_mask``, a 2-D ``attn_mask`` and attention weights read by
+the loss are fine) the recorded forward runs the module as its parts (:meth:`recording_forward`): the
+projected queries, keys and values and the attended values receive their gradients in the recorded backward
+pass, and each projection's per-sample gradient is the batched product of those gradients and its inputs —
+no part of the attention is computed twice. Any other call runs the module's own forward and takes the
+per-sample vector-Jacobian product of the module.
 
 Batch-first or sequence-first: ``query``, ``key`` and ``value`` are split at their batch dimension;
 ``key_padding_mask`` (``(B, S)``) by sample; a 2-D ``attn_mask`` is shared. A 3-D ``attn_mask``
@@ -67,55 +68,60 @@ class MultiheadAttentionRule(VjpRule):
             raise ValueError(f"layer {name!r}: unbatched MultiheadAttention input; pass (batch, ...) inputs")
         super().check(name, call, batch)
 
-    def _batched(self, call: LayerCall) -> dict[str, Tensor] | None:
-        """Per-sample gradients of all four parameters from one batched recomputation, or None when the
-        call is outside the configuration it handles (see the module docstring)."""
+    def _decomposable(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call is in the configuration that :meth:`recording_forward` computes."""
         m = self.module
-        kwargs = call.kwargs
-        if (len(call.args) != 3 or not set(kwargs) <= _BATCHED_KWARGS or not m._qkv_same_embed_dim
-                or m.bias_k is not None or m.add_zero_attn or (m.training and m.dropout > 0)
-                or kwargs.get("is_causal", False) or len(call.grads) > 2
-                or (kwargs.get("attn_mask") is not None and kwargs["attn_mask"].dim() != 2)):
+        return (len(args) == 3 and set(kwargs) <= _BATCHED_KWARGS and m._qkv_same_embed_dim
+                and m.bias_k is None and not m.add_zero_attn and not (m.training and m.dropout > 0)
+                and not kwargs.get("is_causal", False) and all(isinstance(t, Tensor) and t.dim() == 3
+                                                               for t in args)
+                and (kwargs.get("attn_mask") is None or kwargs["attn_mask"].dim() == 2))
+
+    def recording_forward(self, args, kwargs):
+        """The module's forward as its parts: the three input projections, the attention and the output
+        projection, exposing the projected queries, keys and values and the attended values, so that the
+        recorded backward pass hands over their gradients and no part is computed twice."""
+        if not self._decomposable(args, kwargs):
             return None
-        inputs = [t if m.batch_first else t.transpose(0, 1) for t in (*call.args, call.grad)]
-        g_out = inputs.pop()  # all (B, L or S, E)
-        p = call.params
-        biases = (p["in_proj_bias"].chunk(3) if p.get("in_proj_bias") is not None else (None,) * 3)
+        m = self.module
+        inputs = [t if m.batch_first else t.transpose(0, 1) for t in args]  # all (B, L or S, E)
+        biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
         batch, length, width = inputs[0].shape
         heads, head = m.num_heads, width // m.num_heads
-        with torch.enable_grad():
-            qkv = [F.linear(x, w, b).detach().requires_grad_()
-                   for x, w, b in zip(inputs, p["in_proj_weight"].chunk(3), biases)]
-            q, k, v = (t.view(batch, t.shape[1], heads, head).transpose(1, 2) for t in qkv)
-            mask = _additive(kwargs.get("attn_mask"), q)  # (L, S)
-            padding = _additive(kwargs.get("key_padding_mask"), q)  # (B, S)
-            if padding is not None:
-                padding = padding.view(batch, 1, 1, -1)
-                mask = padding if mask is None else mask + padding
-            g_weights = call.grads[1] if len(call.grads) > 1 else None
-            if g_weights is None or not kwargs.get("need_weights", True):
-                # The loss does not read the attention weights: the fused kernel, as the module's forward.
-                attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                outputs, cotangents = [], []
-            else:
-                scores = (q / math.sqrt(head)) @ k.transpose(-2, -1)  # (B, H, L, S)
-                weights = (scores if mask is None else scores + mask).softmax(dim=-1)
-                attended = weights @ v
-                average = kwargs.get("average_attn_weights", True)
-                outputs, cotangents = [weights.mean(dim=1) if average else weights], [g_weights]
-            attended = attended.transpose(1, 2).reshape(batch, length, width)
-            outputs.append(attended)
-            cotangents.append(g_out @ p["out_proj.weight"])
-            g_qkv = torch.autograd.grad(outputs, qkv, cotangents)
+        qkv = [F.linear(x, w, b) for x, w, b in zip(inputs, m.in_proj_weight.chunk(3), biases)]
+        q, k, v = (t.view(batch, t.shape[1], heads, head).transpose(1, 2) for t in qkv)
+        mask = _additive(kwargs.get("attn_mask"), q)  # (L, S)
+        padding = _additive(kwargs.get("key_padding_mask"), q)  # (B, S)
+        if padding is not None:
+            padding = padding.view(batch, 1, 1, -1)
+            mask = padding if mask is None else mask + padding
+        weights = None
+        if kwargs.get("need_weights", True):
+            scores = (q / math.sqrt(head)) @ k.transpose(-2, -1)  # (B, H, L, S)
+            probabilities = (scores if mask is None else scores + mask).softmax(dim=-1)
+            attended = probabilities @ v
+            weights = probabilities.mean(dim=1) if kwargs.get("average_attn_weights", True) else probabilities
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attended = attended.transpose(1, 2).reshape(batch, length, width)
+        output = F.linear(attended, m.out_proj.weight, m.out_proj.bias)
+        output = output if m.batch_first else output.transpose(0, 1)
+        return (output, weights), {"q": qkv[0], "k": qkv[1], "v": qkv[2], "attended": attended}
+
+    def _recorded(self, call: LayerCall) -> dict[str, Tensor]:
+        """Per-sample gradients of all four parameters from the tensors the recording exposed."""
+        inputs = [t if self.module.batch_first else t.transpose(0, 1) for t in (*call.args, call.grad)]
+        g_out = inputs.pop()  # all (B, L or S, E)
+        g_qkv = [call.internal_grads[name] for name in "qkv"]
         return {
             "in_proj_weight": torch.cat([_steps_outer(g, x) for g, x in zip(g_qkv, inputs)], dim=1),
             "in_proj_bias": torch.cat([g.sum(dim=1) for g in g_qkv], dim=1),
-            "out_proj.weight": _steps_outer(g_out, attended.detach()),
+            "out_proj.weight": _steps_outer(g_out, call.internals["attended"]),
             "out_proj.bias": g_out.sum(dim=1),
         }
 
     def gradient(self, calls: Sequence[LayerCall]) -> dict[str, Part]:
-        found = [self._batched(c) for c in calls]
-        if any(f is None for f in found):
+        if not all(c.internal_grads for c in calls):
             return super().gradient(calls)
+        found = [self._recorded(c) for c in calls]
         return {name: Dense(sum(f[name] for f in found)) for name in self.trainable}

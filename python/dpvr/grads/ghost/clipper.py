@@ -106,8 +106,11 @@ class GhostClipper:
         model: the model; it is called functionally and never modified. Batch-norm layers are rejected;
             the trainable parameters must be float32 or float64 (one dtype).
         loss_fn: per-sample loss ``loss_fn(output, target) -> scalar``, as for ``per_sample_grads``.
-        norm_form: how the norms of linear maps' weights are computed: ``"auto"`` (the cheaper form per
-            layer), ``"gram"`` or ``"direct"`` (see :func:`dpvr.ops.ghost_norms`).
+        norm_form: how the norms of linear maps' weights are computed: ``"gram"`` or ``"direct"`` (see
+            :func:`dpvr.ops.ghost_norms`), or ``"auto"``: a layer applied at several steps (a convolution, a
+            Linear on sequences) whose per-sample matrix is no larger than its recorded inputs and output
+            gradients has it materialised in one batched product (:meth:`Outer.worth_materialising`),
+            every other layer takes the cheaper of the two forms.
         nonfinite: ``"zero"`` (default): a sample whose gradient, weight or scalar is not finite contributes
             nothing and its norm is NaN; ``"raise"``: ``FloatingPointError`` — the kernels' policies.
         backend: where norms and clip factors are computed: ``"native"`` (the host kernels; parameters on
@@ -132,9 +135,10 @@ class GhostClipper:
 
     Privacy-relevant guarantee: each sample's contribution ``c_i u_i`` to a returned sum has norm at most
     ``clip``, where ``u_i`` is the exact per-sample gradient (or difference) of the recorded activations and
-    output gradients: the norms are upper bounds that include their rounding error and the factors follow
-    the clip rule of the fused kernels, with their margin. The matmuls that add the clipped terms round like
-    any floating-point sum.
+    output gradients — or, for a materialised layer, the per-sample matrix as computed, which is then the
+    very vector that the clipped sum adds: the norms are upper bounds that include their rounding error and
+    the factors follow the clip rule of the fused kernels, with their margin. The matmuls that add the
+    clipped terms round like any floating-point sum.
 
     Mixed precision: inside a ``torch.autocast`` region the recorded forward and backward run in half
     precision; the recorded activations and output gradients are then widened to the parameters' dtype,
@@ -333,7 +337,18 @@ class GhostClipper:
         leaves = [v.detach().requires_grad_() for v in values]  # so every tracked output has a gradient edge
         batch = inputs.shape[0]
         calls: dict[_Layer, list[LayerCall]] = {layer: [] for layer in self._layers}
-        pending: list[tuple[LayerCall, int, Any, Tensor]] = []  # (call, output leaf, gradient edge, output)
+        # (call, output leaf index or internal name, gradient edge, tensor)
+        pending: list[tuple[LayerCall, int | str, Any, Tensor]] = []
+        exposed: dict[_Layer, dict[str, Tensor]] = {}  # internals of the call now running
+
+        def forward_for(layer: _Layer, original: Any):
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                got = layer.rule.recording_forward(args, kwargs)
+                if got is None:
+                    return original(*args, **kwargs)
+                output, exposed[layer] = got
+                return output
+            return forward
 
         def hook_for(layer: _Layer):
             local = {attr: values[self._index_of[id(p)]] if id(p) in self._index_of else p.detach()
@@ -346,7 +361,9 @@ class GhostClipper:
                 call = LayerCall(*tree_unflatten([_widened(v, self._dtype) for v in flat], spec),
                                  [None] * len(outs), local, batch,
                                  [(t, t._version) for t in flat if isinstance(t, Tensor)])
-                for k, o in enumerate(outs):
+                internals = exposed.pop(layer, {})
+                call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()}
+                for k, o in [*enumerate(outs), *internals.items()]:
                     if isinstance(o, Tensor) and o.requires_grad:
                         # The edge pins the gradient to this version of the output, even if a later operation
                         # modifies it in place (ReLU(inplace=True)).
@@ -355,6 +372,14 @@ class GhostClipper:
             return hook
 
         handles = [layer.module.register_forward_hook(hook_for(layer), with_kwargs=True) for layer in calls]
+        # Rules that record intermediate tensors run their own forward; an instance attribute shadows the
+        # class's method for this pass only.
+        replaced = [layer.module for layer in calls
+                    if type(layer.rule).recording_forward is not GhostRule.recording_forward
+                    and "forward" not in vars(layer.module)]
+        for layer in calls:
+            if layer.module in replaced:
+                layer.module.forward = forward_for(layer, layer.module.forward)
         try:
             with torch.enable_grad():
                 point_values = {name: v for (name, _), v in zip(self._named, leaves)}
@@ -368,9 +393,14 @@ class GhostClipper:
         finally:
             for h in handles:
                 h.remove()
+            for module in replaced:
+                del module.forward
         for (call, k, _, out), g in zip(pending, grads):
-            # None: the loss does not use it
-            call.grads[k] = _widened(torch.zeros_like(out) if g is None else g, self._dtype)
+            g = _widened(torch.zeros_like(out) if g is None else g, self._dtype)  # None: the loss ignores it
+            if isinstance(k, str):
+                call.internal_grads[k] = g
+            else:
+                call.grads[k] = g
         for layer, cs in calls.items():
             if not cs:
                 raise ValueError(f"layer {layer.name!r} was not called in the forward pass, so its "
@@ -402,6 +432,8 @@ class GhostClipper:
                     if not isinstance(part, (Outer, Rows, Dense)):
                         raise TypeError(f"the ghost rule {type(layer.rule).__name__} of layer {layer.name!r} "
                                         f"returned {type(part).__name__} for parameter {attr!r}, not a part")
+                    if self.norm_form == "auto" and isinstance(part, Outer) and part.worth_materialising():
+                        part = Dense(part.per_sample())
                     if k in self._shared:
                         shared[k] = shared[k] + part.u if k in shared else part.u
                     else:

@@ -12,9 +12,9 @@ scaled by the factors (:class:`ConvOuter`): the unfolded patches serve the norms
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -101,29 +101,54 @@ _WEIGHT_GRADS = {
 }
 
 
-@dataclass
 class ConvOuter(Outer):
-    """A convolution weight's :class:`Outer` part whose clipped sum is the convolution's weight gradient of
-    the scaled output gradients, summed over ``convs`` (per piece and call: the input and the output
-    gradient in the module's layout, and the zero padding left to apply): the same sum as the matmul of the
-    unfolded patches, without contracting a copy of them."""
+    """A convolution weight's :class:`Outer` part, kept as the convolution sees it: per piece and call, the
+    input and the output gradient in the module's layout (``convs``, with the zero padding left to apply).
 
-    convs: list[tuple[Tensor, Tensor, tuple[int, ...]]]
-    stride: tuple[int, ...]
-    dilation: tuple[int, ...]
+    Its clipped sum is the convolution's own weight gradient of the scaled output gradients, and its
+    per-sample matrices are that weight gradient taken per sample (``vmap``): neither needs the unfolded
+    patches, which are formed only when a norm form asks for :attr:`pieces`.
+    """
+
+    def __init__(self, rule: ConvRule, raw: Pieces) -> None:
+        self.rule, self.raw = rule, raw
+
+    @functools.cached_property
+    def pieces(self) -> list[tuple[Tensor, Tensor]]:  # type: ignore[override]
+        return LinearMapRule.weight(self.rule, self.raw).pieces
+
+    @property
+    def convs(self) -> list[tuple[Tensor, tuple[int, ...], Tensor]]:
+        """``(input, padding still to apply, output gradient)`` of every call of every piece."""
+        return [(*self.rule.padded(x), g) for xs, gs in self.raw for x, g in zip(xs, gs)]
+
+    def sizes(self) -> tuple[int, int, int]:
+        weight = self.rule.module.weight
+        steps = sum(math.prod(g.shape[2:]) for g in self.raw[0][1])
+        return steps, weight[0].numel(), weight.shape[0]
+
+    def _weight_grad(self, x: Tensor, g: Tensor, padding: tuple[int, ...], shape: Sequence[int]) -> Tensor:
+        m = self.rule.module
+        return _WEIGHT_GRADS[len(m.kernel_size)](x, shape, g, tuple(m.stride), padding, tuple(m.dilation))
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
-        weight_grad = _WEIGHT_GRADS[len(self.stride)]
         out = None
-        for x, g, padding in self.convs:
-            term = weight_grad(x, shape, scale_rows(g, f), self.stride, padding, self.dilation)
+        for x, padding, g in self.convs:
+            term = self._weight_grad(x, scale_rows(g, f), padding, shape)
             out = term if out is None else out.add_(term)
         return out
 
+    def per_sample(self) -> Tensor:
+        shape = self.rule.module.weight.shape
+        out = None
+        for x, padding, g in self.convs:
+            term = torch.vmap(lambda xi, gi, p=padding: self._weight_grad(xi[None], gi[None], p, shape))(x, g)
+            out = term if out is None else out.add_(term)
+        return out.reshape(out.shape[0], shape[0], -1)
+
     def drop(self, bad: Tensor) -> ConvOuter:
-        return ConvOuter(super().drop(bad).pieces,
-                         [(zero_rows(x, bad), zero_rows(g, bad), padding) for x, g, padding in self.convs],
-                         self.stride, self.dilation)
+        return ConvOuter(self.rule, [([zero_rows(x, bad) for x in xs], [zero_rows(g, bad) for g in gs])
+                                     for xs, gs in self.raw])
 
 
 @register_ghost_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -158,6 +183,4 @@ class ConvRule(LinearMapRule):
         return g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2)
 
     def weight(self, pieces: Pieces) -> ConvOuter:
-        convs = [(*self.padded(x), g) for xs, gs in pieces for x, g in zip(xs, gs)]
-        return ConvOuter(super().weight(pieces).pieces, [(x, g, padding) for x, padding, g in convs],
-                         tuple(self.module.stride), tuple(self.module.dilation))
+        return ConvOuter(self, pieces)

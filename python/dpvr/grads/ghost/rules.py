@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar, Union
+from typing import Any, ClassVar, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +52,9 @@ class LayerCall:
     order), the gradient of the summed per-sample losses, so row i is sample i's own (None for a leaf that
     carries none, e.g. an integer tensor). ``params``: the values at the recorded point of every parameter
     of the module and its submodules (local names, as ``module.named_parameters()``). ``batch``: the number
-    of samples.
+    of samples. ``internals``/``internal_grads``: the intermediate tensors that the rule's
+    :meth:`GhostRule.recording_forward` exposed, and the gradients they received (empty when the module's
+    own forward ran).
     """
 
     args: tuple
@@ -61,6 +63,8 @@ class LayerCall:
     params: dict[str, Tensor]
     batch: int
     versions: list[tuple[Tensor, int]] = field(default_factory=list)
+    internals: dict[str, Tensor] = field(default_factory=dict)
+    internal_grads: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def input(self) -> Tensor:
@@ -100,6 +104,28 @@ class Outer:
 
     def drop(self, bad: Tensor) -> Outer:
         return Outer([(zero_rows(m, bad), zero_rows(n, bad)) for m, n in self.pieces])
+
+    def sizes(self) -> tuple[int, int, int]:
+        """``(steps, p, q)``: the steps of one piece and the widths of the two sides."""
+        m, n = self.pieces[0]
+        return (m.shape[1] if m.dim() == 3 else 1), m.shape[-1], n.shape[-1]
+
+    def worth_materialising(self) -> bool:
+        """Whether a sample's ``(q, p)`` matrix is no larger than the ``(T, p + q)`` recorded entries it comes
+        from, i.e. the direct form costs no more than the Gram form. Materialised in one batched matmul in
+        the parameters' dtype, it then replaces both the float64 norm pass over the steps and the clipped
+        sum's matmul over the steps, at no more memory than the recording already holds."""
+        steps, p, q = self.sizes()
+        return steps > 1 and p * q <= steps * (p + q)
+
+    def per_sample(self) -> Tensor:
+        """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``."""
+        out = None
+        for m, n in self.pieces:
+            m, n = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+            term = n.transpose(1, 2) @ m
+            out = term if out is None else out.add_(term)
+        return out
 
     def combine(self, other: Outer, a: Tensor | None, b: Tensor | None) -> Outer:
         """``a_i u_i - b_i u'_i`` as pieces of both (exact; its norm bound is relative to the two terms)."""
@@ -198,6 +224,17 @@ class GhostRule:
             if g is not None and (g.dim() == 0 or g.shape[0] != batch):
                 raise ValueError(f"layer {name!r} returned shape {tuple(g.shape)}, not batch-first (batch "
                                  f"{batch}): its per-sample gradients cannot be recovered")
+
+    def recording_forward(self, args: tuple, kwargs: dict) -> tuple[Any, dict[str, Tensor]] | None:
+        """Optional: the module's forward, computed so that intermediate tensors can be recorded too.
+
+        Returns ``(output, internals)``, the module's output and named tensors of the computation whose
+        gradients the recorded backward pass also collects (``LayerCall.internals``/``internal_grads``),
+        or None to run the module's own forward. The output must be the module's function of the same
+        parameters (read from ``self.module``); the per-sample gradients derived from the internals are then
+        those of the computation that actually ran.
+        """
+        return None
 
     def gradient(self, calls: Sequence[LayerCall]) -> dict[str, Part]:
         """Parts of the per-sample gradient at one point, summed over ``calls``."""
