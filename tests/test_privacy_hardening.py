@@ -127,12 +127,15 @@ def test_a_replay_with_other_inputs_never_reuses_noise():
     torch.testing.assert_close(xi_again, xi_first, rtol=0, atol=0)
 
 
-def test_noise_keys_bind_the_inputs_of_a_release():
+@pytest.mark.parametrize("size, changed", [(1000, 7), (100_000, 3), (100_000, 99_999)],
+                         ids=["small", "large-first-half", "large-second-half"])
+def test_noise_keys_bind_the_inputs_of_a_release(size, changed):
+    """Large signals are hashed as two halves on two threads: a change in either half changes the key."""
     bound, plain = gen(5), gen(5)
     bound.bind(b"run settings")
-    v1, v2 = [torch.zeros(1000, dtype=torch.float64)], [torch.zeros(1000, dtype=torch.float64)]
-    s1, s2 = [torch.ones(1000, dtype=torch.float64)], [torch.ones(1000, dtype=torch.float64)]
-    s2[0][7] += 2.0**-40  # one element, one ulp-scale change
+    v1, v2 = [torch.zeros(size, dtype=torch.float64)], [torch.zeros(size, dtype=torch.float64)]
+    s1, s2 = [torch.ones(size, dtype=torch.float64)], [torch.ones(size, dtype=torch.float64)]
+    s2[0][changed] += 2.0**-40  # one element, one ulp-scale change
     for v, s in ((v1, s1), (v2, s2)):
         g = gen(5)
         g.bind(b"run settings")
