@@ -6,6 +6,7 @@ the array frameworks; it validates dtype, device and layout and names the offend
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ class ArrayView:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def dtype_code(self) -> int:
@@ -119,7 +120,7 @@ def as_matrix(v: ArrayView) -> tuple[ArrayView, tuple[int, int, int, int, int]]:
         raise ValueError("per-sample arrays need a leading batch dimension")
     rows = v.shape[0]
     dims = [(n, s) for n, s in zip(v.shape[1:], v.strides[1:]) if n != 1]
-    cols = int(np.prod([n for n, _ in dims], dtype=np.int64)) if dims else 1
+    cols = math.prod(n for n, _ in dims)
     collapsible = all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1))
     if not collapsible:
         v = contiguous_copy(v)

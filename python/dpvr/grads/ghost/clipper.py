@@ -333,8 +333,9 @@ class GhostClipper:
                 and all(torch.equal(k, v) for k, v in zip(kept.point, values)))
 
     def _run(self, inputs: Tensor, targets: Tensor, values: list[Tensor]) -> _Recording:
-        """One forward and one backward pass at the parameter ``values``."""
-        leaves = [v.detach().requires_grad_() for v in values]  # so every tracked output has a gradient edge
+        """One forward and one backward pass at the parameter ``values``. The forward reads fresh leaves,
+        never the model's own parameters: autocast caches its casts of those until its region ends, which
+        would serve a later step stale weights."""
         batch = inputs.shape[0]
         calls: dict[_Layer, list[LayerCall]] = {layer: [] for layer in self._layers}
         # (call, output leaf index or internal name, gradient edge, tensor)
@@ -355,11 +356,15 @@ class GhostClipper:
                      for attr, p in layer.module.named_parameters()}
 
             def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-                flat, spec = tree_flatten((args, kwargs))
-                flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
-                outs = tree_flatten(output)[0]
-                call = LayerCall(*tree_unflatten([_widened(v, self._dtype) for v in flat], spec),
-                                 [None] * len(outs), local, batch,
+                if not kwargs and all(type(v) is Tensor for v in args):  # the common call, without pytrees
+                    flat = [v.detach() for v in args]
+                    recorded = (tuple(_widened(v, self._dtype) for v in flat), {})
+                else:
+                    flat, spec = tree_flatten((args, kwargs))
+                    flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
+                    recorded = tree_unflatten([_widened(v, self._dtype) for v in flat], spec)
+                outs = [output] if type(output) is Tensor else tree_flatten(output)[0]
+                call = LayerCall(*recorded, [None] * len(outs), local, batch,
                                  [(t, t._version) for t in flat if isinstance(t, Tensor)])
                 internals = exposed.pop(layer, {})
                 call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()}
@@ -382,8 +387,9 @@ class GhostClipper:
                 layer.module.forward = forward_for(layer, layer.module.forward)
         try:
             with torch.enable_grad():
-                point_values = {name: v for (name, _), v in zip(self._named, leaves)}
-                output = functional_call(self.model, point_values, (inputs,))
+                # Leaves that require gradients: every tracked output has a gradient edge.
+                leaves = {name: v.detach().requires_grad_() for (name, _), v in zip(self._named, values)}
+                output = functional_call(self.model, leaves, (inputs,))
                 losses = vmap(self.loss_fn)(output, targets)
                 if tuple(losses.shape) != (batch,):
                     raise ValueError("loss_fn must return a scalar per sample; it returned shape "
