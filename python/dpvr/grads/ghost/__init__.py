@@ -16,13 +16,17 @@ of activations and output gradients, table rows, or materialised vectors (:mod:`
   ``EmbeddingBag``; :mod:`.normalization`: ``LayerNorm``, ``GroupNorm``, ``RMSNorm``) form no per-sample
   gradient of a weight matrix: its norm comes from the Gram or the direct form (the cheaper one per layer)
   and its clipped sum is a matmul of the recorded tensors (a Linear weight's is ``G^T diag(c) A``; a
-  convolution's is its own weight gradient of the scaled output gradients);
+  convolution's is its own weight gradient of the scaled output gradients). A layer applied at several
+  steps whose per-sample matrix is no larger than its recorded tensors (the convolutions and sequence
+  Linears of small models) has that matrix formed in one batched product instead (a convolution's as its
+  weight gradient per sample), which then serves both the norm and the clipped sum;
 - every other module with trainable parameters of its own is a *fallback* layer (:mod:`.fallback`): the
   per-sample gradients of its own parameters are materialised from its recorded inputs and output gradients
   (``torch.func.vjp`` of that module alone; no second pass through the model). Modules that share a
   parameter are fallback layers too. ``MultiheadAttention`` (:mod:`.attention`) and the recurrent layers
-  (:mod:`.recurrent`) are fallback layers with rules that know their layouts; attention's per-sample
-  gradients come from one batched recomputation of its projections in the common configuration.
+  (:mod:`.recurrent`) are fallback layers with rules that know their layouts; in the common configuration
+  attention runs as its parts during the recording, whose projections and attended values then give its
+  per-sample gradients without computing anything twice (:meth:`GhostRule.recording_forward`).
 
 Norms and clip factors are computed by the native host kernels (:func:`dpvr.ops.ghost_norms`,
 :func:`dpvr.ops.clip_factors`) for parameters on the host and by the same formulas in torch

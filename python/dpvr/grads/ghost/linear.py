@@ -7,7 +7,8 @@ bound is relative to the difference, exactly zero at identical points, and a lay
 tensor at both points (the first layer) has one piece.
 
 A convolution's clipped sum ``sum_i f_i G_i^T A_i`` is its own weight gradient for the output gradients
-scaled by the factors (:class:`ConvOuter`): the unfolded patches serve the norms only.
+scaled by the factors, and its per-sample matrices are that weight gradient per sample (:class:`ConvOuter`):
+the unfolded patches are formed only for the Gram and direct norm forms.
 """
 
 from __future__ import annotations
