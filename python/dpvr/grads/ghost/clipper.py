@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -74,10 +74,13 @@ class _Layer:
 
 @dataclass
 class _Recording:
-    """One forward and backward pass at one parameter point."""
+    """One forward and backward pass at one parameter point, and the per-layer parts of the gradient at that
+    point once formed (``parts``: per layer, the parts and whether one was materialised), which a kept
+    recording serves again to the next difference."""
 
     calls: dict[_Layer, list[LayerCall]]
     losses: Tensor
+    parts: dict[_Layer, tuple[dict[str, Part], bool]] = field(default_factory=dict)
 
 
 @dataclass
@@ -430,21 +433,45 @@ class GhostClipper:
         shared: dict[int, Tensor] = {}  # materialised gradients of shared parameters, summed over modules
         with torch.no_grad():
             for layer in self._layers:
-                calls = rec.calls[layer]
-                got = (layer.rule.gradient(calls) if rec_b is None
-                       else layer.rule.difference(calls, rec_b.calls[layer], a, b))
+                got, materialised = self._gradient_parts(rec, layer)
+                if rec_b is not None:
+                    if materialised or type(layer.rule).difference is GhostRule.difference:
+                        # ``a u - b u'`` of the parts at both points (a kept recording's are formed already)
+                        there = self._gradient_parts(rec_b, layer)[0]
+                        got = {attr: got[attr].combine(there[attr], a, b) for attr, _ in layer.params}
+                    else:  # the rule's own form, relative to the difference
+                        got = self._checked(layer, layer.rule.difference(rec.calls[layer], rec_b.calls[layer],
+                                                                          a, b))
                 for attr, k in layer.params:
-                    part = got.get(attr)
-                    if not isinstance(part, (Outer, Rows, Dense)):
-                        raise TypeError(f"the ghost rule {type(layer.rule).__name__} of layer {layer.name!r} "
-                                        f"returned {type(part).__name__} for parameter {attr!r}, not a part")
-                    if self.norm_form == "auto" and isinstance(part, Outer) and part.worth_materialising():
-                        part = Dense(part.per_sample())
+                    part = got[attr]
                     if k in self._shared:
                         shared[k] = shared[k] + part.u if k in shared else part.u
                     else:
                         parts.append((k, part))
         return parts + [(k, Dense(u)) for k, u in shared.items()]
+
+    @staticmethod
+    def _checked(layer: _Layer, got: dict[str, Part]) -> dict[str, Part]:
+        for attr, _ in layer.params:
+            part = got.get(attr)
+            if not isinstance(part, (Outer, Rows, Dense)):
+                raise TypeError(f"the ghost rule {type(layer.rule).__name__} of layer {layer.name!r} "
+                                f"returned {type(part).__name__} for parameter {attr!r}, not a part")
+        return got
+
+    def _gradient_parts(self, rec: _Recording, layer: _Layer) -> tuple[dict[str, Part], bool]:
+        """The parts of ``layer``'s per-sample gradient at ``rec``'s point (formed once per recording), with
+        each ``Outer`` part worth materialising materialised under ``norm_form="auto"``, and whether one
+        was."""
+        if layer not in rec.parts:
+            got = self._checked(layer, layer.rule.gradient(rec.calls[layer]))
+            materialised = False
+            for attr, _ in layer.params:
+                part = got[attr]
+                if self.norm_form == "auto" and isinstance(part, Outer) and part.worth_materialising():
+                    got[attr], materialised = Dense(part.per_sample()), True
+            rec.parts[layer] = got, materialised
+        return rec.parts[layer]
 
     def _clip(self, parts: list[tuple[int, Part]], clip: float, weights: Tensor | None,
               batch: int) -> tuple[Grads, Tensor]:
