@@ -313,8 +313,8 @@ def noisy_update(
 
 def _digest(arrays: Sequence[Array], scalars: tuple, *, on_host: bool) -> bytes:
     """A BLAKE3 digest of ``arrays``' values (already validated by the caller) and ``scalars``:
-    bit-identical inputs, and only those, give equal digests (BLAKE3 is collision resistant, and about five
-    times faster than SHA-256 here, which the signal of every step is hashed with). Host arrays are hashed in
+    bit-identical inputs, and only those, give equal digests (BLAKE3 is collision resistant and, on the
+    signal every release hashes, about five times faster than SHA-256). Host arrays are hashed in
     place; CUDA torch tensors are reduced on the device to two position-weighted integer sums of their bits
     (which a change of any one element alters), so only 16 bytes cross to the host."""
     h = blake3(repr(scalars).encode())

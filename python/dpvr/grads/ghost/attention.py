@@ -27,7 +27,7 @@ from .fallback import VjpRule
 from .rules import Dense, LayerCall, Part, register_ghost_rule
 
 _SEQUENCES = {0: "query", 1: "key", 2: "value"}
-_BATCHED_KWARGS = {"key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal"}
+_DECOMPOSABLE_KWARGS = {"key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal"}
 
 
 def _additive(mask: Tensor | None, like: Tensor) -> Tensor | None:
@@ -71,7 +71,7 @@ class MultiheadAttentionRule(VjpRule):
     def _decomposable(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call is in the configuration that :meth:`recording_forward` computes."""
         m = self.module
-        return (len(args) == 3 and set(kwargs) <= _BATCHED_KWARGS and m._qkv_same_embed_dim
+        return (len(args) == 3 and set(kwargs) <= _DECOMPOSABLE_KWARGS and m._qkv_same_embed_dim
                 and m.bias_k is None and not m.add_zero_attn and not (m.training and m.dropout > 0)
                 and not kwargs.get("is_causal", False) and all(isinstance(t, Tensor) and t.dim() == 3
                                                                for t in args)
