@@ -390,11 +390,12 @@ def test_conv_clipped_sums_are_the_unfolded_matmuls(conv) -> None:
 
 
 class MaskedAttention(nn.Module):
-    """Self-attention with the mask and attention-weight options of the decomposed forward."""
+    """Attention with the mask and attention-weight options of the decomposed forward: self-attention, or
+    ``cross`` (keys and values from other tensors than the queries: three projections, not one packed)."""
 
-    def __init__(self, batch_first: bool, masks: str, weights: str) -> None:
+    def __init__(self, batch_first: bool, masks: str, weights: str, cross: bool = False) -> None:
         super().__init__()
-        self.batch_first, self.masks, self.weights = batch_first, masks, weights
+        self.batch_first, self.masks, self.weights, self.cross = batch_first, masks, weights, cross
         self.attention = nn.MultiheadAttention(6, 2, batch_first=batch_first)
         self.head = nn.Linear(6, 2)
 
@@ -409,7 +410,8 @@ class MaskedAttention(nn.Module):
         if self.weights != "unused":
             kwargs["average_attn_weights"] = self.weights == "averaged"
         h = x if self.batch_first else x.transpose(0, 1)
-        out, attn = self.attention(h, h, h, **kwargs)
+        key, value = (h.flip(1 if self.batch_first else 0), 0.5 * h) if self.cross else (h, h)
+        out, attn = self.attention(h, key, value, **kwargs)
         out = out if self.batch_first else out.transpose(0, 1)
         pooled = out.mean(dim=1)
         if attn is not None:  # the loss reads the attention weights too
@@ -420,7 +422,8 @@ class MaskedAttention(nn.Module):
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("masks", ["none", "padding", "float-padding", "both"])
 @pytest.mark.parametrize("weights", ["unused", "averaged", "per-head"])
-def test_recorded_attention_gradients_match_per_sample_gradients(batch_first, masks, weights,
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_recorded_attention_gradients_match_per_sample_gradients(batch_first, masks, weights, cross,
                                                                   monkeypatch) -> None:
     """MultiheadAttention's decomposed forward (its projections and attended values recorded) gives the
     per-sample gradients of one backward pass per sample through the module's own forward, for every mask
@@ -428,7 +431,7 @@ def test_recorded_attention_gradients_match_per_sample_gradients(batch_first, ma
     from dpvr.grads.ghost import fallback
 
     torch.manual_seed(0)
-    model = MaskedAttention(batch_first, masks, weights).double()
+    model = MaskedAttention(batch_first, masks, weights, cross).double()
     x, y = torch.randn(BATCH, 5, 6, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
     point, point_b = trainable(model), moved(trainable(model))
     grads, grads_b = reference_grads(model, x, y, point), reference_grads(model, x, y, point_b)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch._C._autograd import DeviceType
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -54,10 +54,10 @@ def peak_bytes(fn: Callable[[], object], device: str = "cpu") -> int:
     the resident state (model, optimiser, inputs).
 
     CUDA: the caching allocator's ``max_memory_allocated`` over the call, less what was allocated before it.
-    Host: the running total of the allocations and frees that ``torch.profiler`` records during the call
-    (``profile_memory=True``; it reports no free of a block allocated before the call), whose maximum is
-    the peak of the call's own live allocations. Memory allocated outside torch's allocators (the native
-    core's scratch, a library's own buffers) is not seen.
+    Host: the allocations and frees that ``torch.profiler`` records during the call (``profile_memory=True``),
+    paired by address: a free of a block allocated before the call is not counted, so the result is the peak
+    of the call's own live allocations however often the step has run or been profiled before. Memory
+    allocated outside torch's allocators (the native core's scratch, a library's own buffers) is not seen.
     """
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -68,13 +68,20 @@ def peak_bytes(fn: Callable[[], object], device: str = "cpu") -> int:
         return max(0, torch.cuda.max_memory_allocated() - start)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+    events: list[tuple[int, int, int]] = []  # (time, address, bytes: negative for a free)
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes += node.children
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    live: dict[int, int] = {}
+    total = peak = 0
+    for _, address, nbytes in sorted(events):
+        if nbytes > 0:
+            live[address] = nbytes
+            total += nbytes
+        elif address in live:
+            total -= live.pop(address)
+        peak = max(peak, total)
     return peak

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .fallback import VjpRule
-from .rules import Dense, LayerCall, Part, register_ghost_rule
+from .rules import Dense, LayerCall, Part, register_ghost_rule, same_tensor, summed
 
 _SEQUENCES = {0: "query", 1: "key", 2: "value"}
 _DECOMPOSABLE_KWARGS = {"key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal"}
@@ -45,6 +45,7 @@ def _steps_outer(g: Tensor, x: Tensor) -> Tensor:
 @register_ghost_rule(nn.MultiheadAttention)
 class MultiheadAttentionRule(VjpRule):
     owns_submodules = True
+    internal_values = frozenset({"attended"})  # the output projection's input
 
     def _batch_dim(self) -> int:
         return 0 if self.module.batch_first else 1
@@ -78,9 +79,10 @@ class MultiheadAttentionRule(VjpRule):
                 and (kwargs.get("attn_mask") is None or kwargs["attn_mask"].dim() == 2))
 
     def recording_forward(self, args, kwargs):
-        """The module's forward as its parts: the three input projections, the attention and the output
-        projection, exposing the projected queries, keys and values and the attended values, so that the
-        recorded backward pass hands over their gradients and no part is computed twice."""
+        """The module's forward as its parts: the input projections (one packed projection when query, key
+        and value are one tensor), the attention and the output projection, exposing the projected queries,
+        keys and values and the attended values, so that the recorded backward pass hands over their
+        gradients and no part is computed twice."""
         if not self._decomposable(args, kwargs):
             return None
         m = self.module
@@ -88,8 +90,14 @@ class MultiheadAttentionRule(VjpRule):
         biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
         batch, length, width = inputs[0].shape
         heads, head = m.num_heads, width // m.num_heads
-        qkv = [F.linear(x, w, b) for x, w, b in zip(inputs, m.in_proj_weight.chunk(3), biases)]
-        q, k, v = (t.view(batch, t.shape[1], heads, head).transpose(1, 2) for t in qkv)
+        if same_tensor(inputs[0], inputs[1]) and same_tensor(inputs[0], inputs[2]):
+            # Self-attention: one packed projection, whose gradient arrives as one (B, L, 3E) tensor.
+            packed = F.linear(inputs[0], m.in_proj_weight, m.in_proj_bias)
+            qkv, exposed = packed.chunk(3, dim=-1), {"qkv": packed}
+        else:
+            qkv = [F.linear(x, w, b) for x, w, b in zip(inputs, m.in_proj_weight.chunk(3), biases)]
+            exposed = dict(zip(("q", "k", "v"), qkv))
+        q, k, v = (t.reshape(batch, t.shape[1], heads, head).transpose(1, 2) for t in qkv)
         mask = _additive(kwargs.get("attn_mask"), q)  # (L, S)
         padding = _additive(kwargs.get("key_padding_mask"), q)  # (B, S)
         if padding is not None:
@@ -106,16 +114,22 @@ class MultiheadAttentionRule(VjpRule):
         attended = attended.transpose(1, 2).reshape(batch, length, width)
         output = F.linear(attended, m.out_proj.weight, m.out_proj.bias)
         output = output if m.batch_first else output.transpose(0, 1)
-        return (output, weights), {"q": qkv[0], "k": qkv[1], "v": qkv[2], "attended": attended}
+        return (output, weights), {**exposed, "attended": attended}
 
     def _recorded(self, call: LayerCall) -> dict[str, Tensor]:
         """Per-sample gradients of all four parameters from the tensors the recording exposed."""
         inputs = [t if self.module.batch_first else t.transpose(0, 1) for t in (*call.args, call.grad)]
         g_out = inputs.pop()  # all (B, L or S, E)
-        g_qkv = [call.internal_grads[name] for name in "qkv"]
+        if "qkv" in call.internal_grads:  # the packed projection of self-attention
+            g_qkv = call.internal_grads["qkv"]
+            in_proj, in_bias = _steps_outer(g_qkv, inputs[0]), g_qkv.sum(dim=1)
+        else:
+            g_each = [call.internal_grads[name] for name in "qkv"]
+            in_proj = torch.cat([_steps_outer(g, x) for g, x in zip(g_each, inputs)], dim=1)
+            in_bias = torch.cat([g.sum(dim=1) for g in g_each], dim=1)
         return {
-            "in_proj_weight": torch.cat([_steps_outer(g, x) for g, x in zip(g_qkv, inputs)], dim=1),
-            "in_proj_bias": torch.cat([g.sum(dim=1) for g in g_qkv], dim=1),
+            "in_proj_weight": in_proj,
+            "in_proj_bias": in_bias,
             "out_proj.weight": _steps_outer(g_out, call.internals["attended"]),
             "out_proj.bias": g_out.sum(dim=1),
         }
@@ -124,4 +138,4 @@ class MultiheadAttentionRule(VjpRule):
         if not all(c.internal_grads for c in calls):
             return super().gradient(calls)
         found = [self._recorded(c) for c in calls]
-        return {name: Dense(sum(f[name] for f in found)) for name in self.trainable}
+        return {name: Dense(summed([f[name] for f in found])) for name in self.trainable}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -31,6 +31,12 @@ _HALF = (torch.float16, torch.bfloat16)
 def _widened(v: Any, dtype: torch.dtype) -> Any:
     """``v`` in ``dtype`` when it is a half-precision tensor (an autocast activation or gradient)."""
     return v.to(dtype) if isinstance(v, Tensor) and v.dtype in _HALF else v
+
+
+def _zeros_like(t: Tensor) -> Callable[[], Tensor]:
+    """Makes zeros shaped like ``t`` later, without holding ``t``."""
+    shape, dtype, device = t.shape, t.dtype, t.device
+    return lambda: torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _full_precision(device: torch.device) -> contextlib.AbstractContextManager:
@@ -268,6 +274,9 @@ class GhostClipper:
         # The second point first: it may be the recording kept from the previous call, which keeping the
         # first point's replaces.
         rec_b = self._record(inputs, targets, params_b, "params_b")
+        with _full_precision(self._device):
+            # Formed before the next pass: the layers whose parts stand alone let their recordings go first.
+            self._form_parts(rec_b)
         rec_a = self._record(inputs, targets, params_a, "params_a", keep=True)
         with _full_precision(self._device):
             sums, norms = self._clip(self._parts(rec_a, rec_b, a, b), clip, None, batch)
@@ -341,8 +350,9 @@ class GhostClipper:
         would serve a later step stale weights."""
         batch = inputs.shape[0]
         calls: dict[_Layer, list[LayerCall]] = {layer: [] for layer in self._layers}
-        # (call, output leaf index or internal name, gradient edge, tensor)
-        pending: list[tuple[LayerCall, int | str, Any, Tensor]] = []
+        # (call, output leaf index or internal name, gradient edge, the output's zeros): the outputs are not
+        # held, so each is freed when the forward no longer needs it, as in an unrecorded pass.
+        pending: list[tuple[LayerCall, int | str, Any, Callable[[], Tensor]]] = []
         exposed: dict[_Layer, dict[str, Tensor]] = {}  # internals of the call now running
 
         def forward_for(layer: _Layer, original: Any):
@@ -370,12 +380,13 @@ class GhostClipper:
                 call = LayerCall(*recorded, [None] * len(outs), local, batch,
                                  [(t, t._version) for t in flat if isinstance(t, Tensor)])
                 internals = exposed.pop(layer, {})
-                call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()}
+                call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()
+                                  if name in layer.rule.internal_values}
                 for k, o in [*enumerate(outs), *internals.items()]:
                     if isinstance(o, Tensor) and o.requires_grad:
                         # The edge pins the gradient to this version of the output, even if a later operation
                         # modifies it in place (ReLU(inplace=True)).
-                        pending.append((call, k, get_gradient_edge(o), o.detach()))
+                        pending.append((call, k, get_gradient_edge(o), _zeros_like(o)))
                 calls[layer].append(call)
             return hook
 
@@ -404,8 +415,8 @@ class GhostClipper:
                 h.remove()
             for module in replaced:
                 del module.forward
-        for (call, k, _, out), g in zip(pending, grads):
-            g = _widened(torch.zeros_like(out) if g is None else g, self._dtype)  # None: the loss ignores it
+        for (call, k, _, zeros), g in zip(pending, grads):
+            g = _widened(zeros() if g is None else g, self._dtype)  # None: the loss ignores it
             if isinstance(k, str):
                 call.internal_grads[k] = g
             else:
@@ -422,13 +433,24 @@ class GhostClipper:
 
     # ---- parts, factors, sums ----
 
+    @staticmethod
+    def _check_unmodified(rec: _Recording) -> None:
+        for layer, cs in rec.calls.items():
+            for c in cs:
+                c.check_unmodified(layer.name)
+
+    def _form_parts(self, rec: _Recording) -> None:
+        """Every layer's parts at ``rec``'s point (:meth:`_gradient_parts`)."""
+        self._check_unmodified(rec)
+        with torch.no_grad():
+            for layer in self._layers:
+                self._gradient_parts(rec, layer)
+
     def _parts(self, rec: _Recording, rec_b: _Recording | None, a: Tensor | None,
                b: Tensor | None) -> list[tuple[int, Part]]:
         """``(parameter index, part)`` of every trainable parameter."""
         for r in (rec, rec_b) if rec_b is not None else (rec,):
-            for layer, cs in r.calls.items():
-                for c in cs:
-                    c.check_unmodified(layer.name)
+            self._check_unmodified(r)
         parts: list[tuple[int, Part]] = []
         shared: dict[int, Tensor] = {}  # materialised gradients of shared parameters, summed over modules
         with torch.no_grad():
@@ -462,7 +484,8 @@ class GhostClipper:
     def _gradient_parts(self, rec: _Recording, layer: _Layer) -> tuple[dict[str, Part], bool]:
         """The parts of ``layer``'s per-sample gradient at ``rec``'s point (formed once per recording), with
         each ``Outer`` part worth materialising materialised under ``norm_form="auto"``, and whether one
-        was."""
+        was. A layer whose parts are all that later steps read (materialised, or without a difference form
+        of its own) drops its calls from the recording, so their tensors are freed."""
         if layer not in rec.parts:
             got = self._checked(layer, layer.rule.gradient(rec.calls[layer]))
             materialised = False
@@ -471,6 +494,9 @@ class GhostClipper:
                 if self.norm_form == "auto" and isinstance(part, Outer) and part.worth_materialising():
                     got[attr], materialised = Dense(part.per_sample()), True
             rec.parts[layer] = got, materialised
+            if materialised or type(layer.rule).difference is GhostRule.difference:
+                # Whatever follows reads these parts, never the calls: their recorded tensors are let go.
+                rec.calls[layer] = []
         return rec.parts[layer]
 
     def _clip(self, parts: list[tuple[int, Part]], clip: float, weights: Tensor | None,

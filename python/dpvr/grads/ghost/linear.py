@@ -54,8 +54,9 @@ class LinearMapRule(GhostRule):
                       for xs, gs in pieces])
 
     def _parts(self, pieces: Pieces, bias: list[Tensor]) -> dict[str, Part]:
-        return {"weight": self.weight(pieces),
-                "bias": Dense(steps([self.output_grads(g) for g in bias]).sum(dim=1))}
+        g = steps([self.output_grads(g) for g in bias])
+        # One step: the output gradient is the bias's per-sample gradient itself (a view, no copy).
+        return {"weight": self.weight(pieces), "bias": Dense(g[:, 0] if g.shape[1] == 1 else g.sum(dim=1))}
 
     def gradient(self, calls: Sequence[LayerCall]) -> dict[str, Part]:
         grads = [c.grad for c in calls]

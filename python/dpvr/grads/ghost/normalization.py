@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .rules import Dense, GhostRule, LayerCall, Part, register_ghost_rule
+from .rules import Dense, GhostRule, LayerCall, Part, register_ghost_rule, summed
 
 
 class AffineNormRule(GhostRule):
@@ -30,8 +30,8 @@ class AffineNormRule(GhostRule):
         raise NotImplementedError
 
     def gradient(self, calls: Sequence[LayerCall]) -> dict[str, Part]:
-        weight = sum(self.per_channel(self.normalised(c.input) * c.grad) for c in calls)
-        bias = sum(self.per_channel(c.grad) for c in calls)
+        weight = summed([self.per_channel(self.normalised(c.input) * c.grad) for c in calls])
+        bias = summed([self.per_channel(c.grad) for c in calls])
         return {"weight": Dense(weight), "bias": Dense(bias)}
 
 
@@ -58,7 +58,8 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
             return F.rms_norm(x, self.module.normalized_shape, None, self.module.eps)
 
         def gradient(self, calls: Sequence[LayerCall]) -> dict[str, Part]:
-            return {"weight": Dense(sum(self.per_channel(self.normalised(c.input) * c.grad) for c in calls))}
+            weight = summed([self.per_channel(self.normalised(c.input) * c.grad) for c in calls])
+            return {"weight": Dense(weight)}
 
 
 @register_ghost_rule(nn.GroupNorm)

@@ -15,6 +15,7 @@ part without forming ``u_i`` for ``Outer`` and ``Rows``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
@@ -38,6 +39,11 @@ def steps(ts: Sequence[Tensor]) -> Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(list(ts), dim=1)
 
 
+def summed(ts: Sequence[Tensor]) -> Tensor:
+    """The sum of ``ts`` (the one tensor itself, not a copy, when there is one: a layer called once)."""
+    return functools.reduce(torch.add, ts)
+
+
 def same_tensor(x: Tensor, y: Tensor) -> bool:
     """Whether two recorded tensors are the same memory (the model input reaches the first layer at both
     points as one tensor). A value comparison would cost a device synchronisation per layer and step."""
@@ -53,8 +59,8 @@ class LayerCall:
     carries none, e.g. an integer tensor). ``params``: the values at the recorded point of every parameter
     of the module and its submodules (local names, as ``module.named_parameters()``). ``batch``: the number
     of samples. ``internals``/``internal_grads``: the intermediate tensors that the rule's
-    :meth:`GhostRule.recording_forward` exposed, and the gradients they received (empty when the module's
-    own forward ran).
+    :meth:`GhostRule.recording_forward` exposed (those named in ``GhostRule.internal_values``), and the
+    gradients they all received (empty when the module's own forward ran).
     """
 
     args: tuple
@@ -204,10 +210,13 @@ class GhostRule:
     trainable parameter outside them falls back to materialised gradients. ``owns_submodules``: the rule
     handles the parameters of the module's submodules too (the module reads them directly, as
     ``MultiheadAttention`` does ``out_proj``'s), which are then not tracked on their own.
+    ``internal_values``: the internals exposed by :meth:`recording_forward` whose values (not only their
+    gradients) the rule reads; the others are not held after the recorded pass.
     """
 
     parameters: ClassVar[tuple[str, ...] | None] = ("weight", "bias")
     owns_submodules: ClassVar[bool] = False
+    internal_values: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, module: nn.Module, trainable: Sequence[str]) -> None:
         self.module = module
