@@ -355,25 +355,28 @@ def test_conv_activations_match_unfold() -> None:
     torch.testing.assert_close(ConvRule(conv, ["weight"]).activations(x), expected)
 
 
-@pytest.mark.parametrize("conv", [
-    nn.Conv2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1)),
-    nn.Conv2d(3, 4, 2, padding="same"),  # asymmetric zero padding
-    nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
-    nn.Conv2d(3, 4, 3, padding="valid", bias=False),
-    nn.Conv1d(3, 4, 3, stride=2, padding=1),
-    nn.Conv3d(3, 4, 2, padding="same", padding_mode="replicate"),
-], ids=["strided", "same-zeros", "reflect", "valid", "1d", "3d-same"])
-def test_conv_clipped_sums_are_the_unfolded_matmuls(conv) -> None:
+@pytest.mark.parametrize("make", [
+    lambda c: nn.Conv2d(c, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1)),
+    lambda c: nn.Conv2d(c, 4, 2, padding="same"),  # asymmetric zero padding
+    lambda c: nn.Conv2d(c, 4, 3, padding=1, padding_mode="reflect"),
+    lambda c: nn.Conv2d(c, 4, 3, padding="valid", bias=False),
+    lambda c: nn.Conv1d(c, 4, 3, stride=2, padding=1),
+    lambda c: nn.Conv1d(c, 4, 2, stride=3, dilation=2),
+    lambda c: nn.Conv3d(c, 4, 2, padding="same", padding_mode="replicate"),
+], ids=["strided", "same-zeros", "reflect", "valid", "1d", "1d-dilated", "3d-same"])
+@pytest.mark.parametrize("channels", [1, 5], ids=["grouped", "vmap"])  # the two per-sample paths
+def test_conv_clipped_sums_are_the_unfolded_matmuls(make, channels) -> None:
     """A convolution's clipped sum (its weight gradient of scaled output gradients) and its per-sample
     matrices (the weight gradient per sample) equal the matmuls of the unfolded patches that its norms are
     otherwise computed from, for a gradient and a difference, with and without dropped samples."""
-    from dpvr.grads.ghost.linear import ConvOuter, ConvRule
+    from dpvr.grads.ghost.linear import _GROUPED_MAX_CHANNELS, ConvOuter, ConvRule
     from dpvr.grads.ghost.rules import LayerCall, Outer
 
-    conv = conv.double()
+    assert (channels <= _GROUPED_MAX_CHANNELS) == (channels == 1)
+    conv = make(channels).double()
     rule = ConvRule(conv, ["weight", "bias"])
-    spatial = (7, 6, 5)[: len(conv.kernel_size)]
-    x, x_b = (torch.randn(BATCH, 3, *spatial, dtype=torch.float64) for _ in range(2))
+    spatial = (9, 6, 5)[: len(conv.kernel_size)]
+    x, x_b = (torch.randn(BATCH, channels, *spatial, dtype=torch.float64) for _ in range(2))
     g, g_b = (torch.randn_like(conv(x)) for _ in range(2))
     call, call_b = (LayerCall((i,), {}, [o], {}, BATCH) for i, o in ((x, g), (x_b, g_b)))
     f = torch.rand(BATCH, dtype=torch.float64)

@@ -101,6 +101,10 @@ def unfold_patches(x: Tensor, kernel: Sequence[int], stride: Sequence[int],
 _WEIGHT_GRADS = {
     1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight
 }
+_CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+# Up to this many input channels (a first layer on grey or colour images), per-sample weight gradients come
+# from one grouped convolution, 1.1-4x faster than vmap's batched weight gradient on the host; above it, vmap.
+_GROUPED_MAX_CHANNELS = 3
 
 
 class ConvOuter(Outer):
@@ -144,9 +148,31 @@ class ConvOuter(Outer):
         shape = self.rule.module.weight.shape
         out = None
         for x, padding, g in self.convs:
-            term = torch.vmap(lambda xi, gi, p=padding: self._weight_grad(xi[None], gi[None], p, shape))(x, g)
+            if x.shape[1] <= _GROUPED_MAX_CHANNELS:
+                term = self._grouped_weight_grads(x, g, padding)
+            else:
+                one = functools.partial(self._one_weight_grad, padding=padding, shape=shape)
+                term = torch.vmap(one)(x, g)
             out = term if out is None else out.add_(term)
         return out.reshape(out.shape[0], shape[0], -1)
+
+    def _one_weight_grad(self, x: Tensor, g: Tensor, padding: tuple[int, ...],
+                         shape: Sequence[int]) -> Tensor:
+        """One sample's weight gradient (under ``vmap``)."""
+        return self._weight_grad(x[None], g[None], padding, shape)
+
+    def _grouped_weight_grads(self, x: Tensor, g: Tensor, padding: tuple[int, ...]) -> Tensor:
+        """``(B, C_out, C_in, *kernel)`` weight gradients per sample as one grouped convolution: input
+        channels as the batch, each sample a group whose kernels are its output gradients. The weight
+        gradient ``sum_t g[t] x[stride t + dilation u]`` is a convolution of ``x`` with ``g`` dilated by the
+        stride, at a step of the dilation, cropped to the kernel."""
+        m = self.rule.module
+        batch, c_in, c_out, dims = x.shape[0], x.shape[1], g.shape[1], len(m.kernel_size)
+        kernels = g.reshape(batch * c_out, 1, *g.shape[2:])
+        r = _CONVS[dims](x.transpose(0, 1), kernels, padding=padding, stride=tuple(m.dilation),
+                         dilation=tuple(m.stride), groups=batch)
+        r = r[(..., *(slice(0, k) for k in m.kernel_size))]
+        return r.reshape(c_in, batch, c_out, *m.kernel_size).permute(1, 2, 0, *range(3, 3 + dims))
 
     def drop(self, bad: Tensor) -> ConvOuter:
         return ConvOuter(self.rule, [([zero_rows(x, bad) for x in xs], [zero_rows(g, bad) for g in gs])
