@@ -28,6 +28,13 @@ of activations and output gradients, table rows, or materialised vectors (:mod:`
   attention runs as its parts during the recording, whose projections and attended values then give its
   per-sample gradients without computing anything twice (:meth:`GhostRule.recording_forward`).
 
+Memory: every layer's recorded tensors must live until all norms are known (a clip factor depends on every
+layer), so a recording holds no more than its parts need — layer outputs are not held through the backward
+pass, a rule's exposed internals only as far as it reads their values (:attr:`GhostRule.internal_values`), and
+a layer whose parts are all that later steps read (materialised, or without a difference form of its own)
+drops its recorded calls once they are formed; a difference forms the second point's parts before it records
+the first.
+
 Norms and clip factors are computed by the native host kernels (:func:`dpvr.ops.ghost_norms`,
 :func:`dpvr.ops.clip_factors`) for parameters on the host and by the same formulas in torch
 (:mod:`.norms`) on other devices; both bound the norms from above including rounding.
