@@ -446,6 +446,32 @@ def test_recorded_attention_gradients_match_per_sample_gradients(batch_first, ma
     assert "forward" not in vars(model.attention)  # the module's own forward is back
 
 
+class DetachedKeys(nn.Module):
+    """A trainable layer before attention whose keys and values are the queries' tensor detached: the same
+    memory, but no gradient reaches the layer through them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 6)
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        return self.head(self.attention(h, h.detach(), h.detach(), need_weights=False)[0].mean(dim=1))
+
+
+def test_attention_projects_packed_only_for_one_tensor() -> None:
+    """Keys and values that share the queries' memory but not their autograd identity take the three
+    projections, so the layer before receives only the gradient through the queries."""
+    torch.manual_seed(0)
+    model = DetachedKeys().double()
+    x, y = torch.randn(BATCH, 5, 6, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
+    grads = reference_grads(model, x, y, trainable(model))
+    clip = float(clipped(grads, 1e9)[1].median())
+    assert_matches(GhostClipper(model, squared).clipped_sum(x, y, clip), clipped(grads, clip))
+
+
 def test_attention_outside_the_batched_configuration_takes_the_vjp() -> None:
     from dpvr.grads.ghost.attention import MultiheadAttentionRule
     from dpvr.grads.ghost.rules import LayerCall

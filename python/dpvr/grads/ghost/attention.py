@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .fallback import VjpRule
-from .rules import Dense, LayerCall, Part, register_ghost_rule, same_tensor, summed
+from .rules import Dense, LayerCall, Part, register_ghost_rule, summed
 
 _SEQUENCES = {0: "query", 1: "key", 2: "value"}
 _DECOMPOSABLE_KWARGS = {"key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal"}
@@ -90,7 +90,7 @@ class MultiheadAttentionRule(VjpRule):
         biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
         batch, length, width = inputs[0].shape
         heads, head = m.num_heads, width // m.num_heads
-        if same_tensor(inputs[0], inputs[1]) and same_tensor(inputs[0], inputs[2]):
+        if args[0] is args[1] and args[0] is args[2]:  # one tensor (not merely its memory), as torch asks
             # Self-attention: one packed projection, whose gradient arrives as one (B, L, 3E) tensor.
             packed = F.linear(inputs[0], m.in_proj_weight, m.in_proj_bias)
             qkv, exposed = packed.chunk(3, dim=-1), {"qkv": packed}
