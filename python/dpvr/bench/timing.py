@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._C._profiler import _EventType
@@ -49,6 +52,20 @@ def interleaved_median_ms(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 pointed at the null device (native code writes to it directly, past sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_bytes(fn: Callable[[], object], device: str = "cpu") -> int:
     """Peak of the tensor memory that ``fn`` allocates, live at once, in one call: its working memory above
     the resident state (model, optimiser, inputs).
@@ -66,8 +83,14 @@ def peak_bytes(fn: Callable[[], object], device: str = "cpu") -> int:
         fn()
         torch.cuda.synchronize()
         return max(0, torch.cuda.max_memory_allocated() - start)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():  # the profiler's native start and stop notices
+        prof.start()
+    try:
         fn()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     events: list[tuple[int, int, int]] = []  # (time, address, bytes: negative for a free)
     nodes = list(prof.profiler.kineto_results.experimental_event_tree())
     while nodes:
