@@ -429,7 +429,7 @@ def forward_counter(model: nn.Module) -> list[int]:
     return count
 
 
-@pytest.mark.parametrize("name", ["mlp", "mixed", "tokens"])
+@pytest.mark.parametrize("name", ["mlp", "mixed", "tokens", "cnn", "sequence"])  # cnn, sequence: materialised
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reused_recordings_equal_recomputed_ones(name, backend) -> None:
     """A DIFF2-GD sequence on one batch: the model's parameters move in place from point to point (as an
