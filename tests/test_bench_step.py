@@ -27,6 +27,14 @@ def test_each_case_times_every_method(case: str) -> None:
             assert 0 < r.metrics["native_share"] < 1, r
 
 
+def test_the_plot_draws_every_case(tmp_path) -> None:
+    records = step.run(cases=["mlp", "cnn"], repeats=1, quick=True, memory=True, batch=4)
+    records = [r for r in records if not (r.dataset.startswith("cnn") and r.method.startswith("opacus"))]
+    path = tmp_path / "step.png"
+    step.plot(records, str(path))  # a case without one of the methods draws the others
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
 def test_the_diff2_round_reuses_its_recording() -> None:
     """The benchmarked full-batch DIFF2 round records one point; the recompute variant records two."""
     case = step.make_case("mlp", batch=4)

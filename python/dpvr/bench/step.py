@@ -36,6 +36,7 @@ memory one step allocates above what was live before it (:func:`~.timing.peak_by
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -330,6 +331,55 @@ def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False,
         records.insert(1, Record(method="opacus-ghost-dp-sgd", dataset=case.label,
                                  metrics={**common, "skipped": opacus_missing}))
     return records
+
+
+# The step costs dpvr aims at, as multiples of the non-private step (time; memory: 1.5x for every step).
+TARGETS = {"dpvr-dp-sgd-ghost": 1.3, "dpvr-diff2-ghost": 1.5, "dpvr-fresh-diff-ghost": 2.3}
+MEMORY_TARGET = 1.5
+_PLOTTED = {
+    "opacus-ghost-dp-sgd": "Opacus ghost DP-SGD",
+    "dpvr-dp-sgd-ghost": "dpvr DP-SGD",
+    "dpvr-diff2-ghost": "dpvr DIFF2 round (reused)",
+    "dpvr-diff2-ghost-recompute": "dpvr DIFF2 round (recomputed)",
+    "dpvr-fresh-diff-ghost": "dpvr fresh-batch round",
+}
+
+
+def _ratios(shown: dict[str, dict], names: Sequence[str], key: str) -> list[float]:
+    """``key`` of each method's metrics; NaN (no bar) for a method the case lacks."""
+    return [shown.get(m, {}).get(key, math.nan) for m in names]
+
+
+def plot(records: Sequence[Record], path: str) -> None:
+    """One panel per case: each method's time (and, when measured, peak memory) as a multiple of the
+    non-private step, with the targets marked (``|``). The materialised DIFF2 round (tens of times the
+    step) is left out so that the others stay readable."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    from ..results import write_figure
+
+    cases = list(dict.fromkeys(r.dataset for r in records))
+    names, rows = list(_PLOTTED), range(len(_PLOTTED))  # one row per method in every panel
+    fig = Figure(figsize=(4 + 3 * len(cases), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(cases), squeeze=False, sharey=True)[0]
+    for ax, case in zip(axes, cases):
+        shown = {r.method: r.metrics for r in records if r.dataset == case and "ms" in r.metrics}
+        ax.barh([y - 0.2 for y in rows], _ratios(shown, names, "ratio_vs_non_private"), height=0.4,
+                label="time")
+        marked = [(TARGETS[m], y - 0.2) for m, y in zip(names, rows) if m in TARGETS]
+        if any("memory_vs_non_private" in metrics for metrics in shown.values()):
+            ax.barh([y + 0.2 for y in rows], _ratios(shown, names, "memory_vs_non_private"), height=0.4,
+                    label="peak memory", alpha=0.5)
+            marked += [(MEMORY_TARGET, y + 0.2) for m, y in zip(names, rows) if m.startswith("dpvr")]
+        ax.plot([t for t, _ in marked], [y for _, y in marked], "k|", markersize=12, label="target")
+        ax.axvline(1.0, color="grey", linewidth=0.8)
+        ax.set_yticks(list(rows), [_PLOTTED[m] for m in names])
+        ax.set_xlabel("× the non-private step")
+        ax.set_title(case)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0].invert_yaxis()  # shared: the first method on top in every panel
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
+    write_figure(path, fig, dpi=120)
 
 
 def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, memory: bool = False,

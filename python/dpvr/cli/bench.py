@@ -34,6 +34,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"
     )
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.add_argument("--plot", metavar="PNG", help="step: also plot the methods' ratios and targets to PNG")
     p.set_defaults(run=run)
 
 
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
+    if args.plot and args.what != "step":
+        raise ValueError("--plot: only 'bench step' draws a figure")
     if args.device == "cuda":
         if args.what == "step":
             raise ValueError("bench step --device cuda: the step benchmark runs on the CPU only")
@@ -58,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             metrics += ["peak_mib", "memory_vs_non_private", "memory_vs_opacus_ghost"]
         headers.append("note")
         metrics.append("skipped")
+        if args.plot:
+            step.plot(records, args.plot)
     else:
         from ..bench import kernels
 
