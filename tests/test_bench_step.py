@@ -73,7 +73,6 @@ def test_ghost_steps_hold_little_beyond_a_non_private_step() -> None:
     output gradients once its per-sample matrices are formed (before the second point is recorded)."""
     import warnings
 
-    from dpvr.bench import step
     from dpvr.bench.timing import peak_bytes
 
     with warnings.catch_warnings():

@@ -87,7 +87,6 @@ class MultiheadAttentionRule(VjpRule):
             return None
         m = self.module
         inputs = [t if m.batch_first else t.transpose(0, 1) for t in args]  # all (B, L or S, E)
-        biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
         batch, length, width = inputs[0].shape
         heads, head = m.num_heads, width // m.num_heads
         if args[0] is args[1] and args[0] is args[2]:  # one tensor (not merely its memory), as torch asks
@@ -95,6 +94,7 @@ class MultiheadAttentionRule(VjpRule):
             packed = F.linear(inputs[0], m.in_proj_weight, m.in_proj_bias)
             qkv, exposed = packed.chunk(3, dim=-1), {"qkv": packed}
         else:
+            biases = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None,) * 3
             qkv = [F.linear(x, w, b) for x, w, b in zip(inputs, m.in_proj_weight.chunk(3), biases)]
             exposed = dict(zip(("q", "k", "v"), qkv))
         q, k, v = (t.reshape(batch, t.shape[1], heads, head).transpose(1, 2) for t in qkv)

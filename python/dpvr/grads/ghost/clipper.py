@@ -457,7 +457,7 @@ class GhostClipper:
             for layer in self._layers:
                 got, materialised = self._gradient_parts(rec, layer)
                 if rec_b is not None:
-                    if materialised or type(layer.rule).difference is GhostRule.difference:
+                    if self._parts_only(layer, materialised):
                         # ``a u - b u'`` of the parts at both points (a kept recording's are formed already)
                         there = self._gradient_parts(rec_b, layer)[0]
                         got = {attr: got[attr].combine(there[attr], a, b) for attr, _ in layer.params}
@@ -494,10 +494,15 @@ class GhostClipper:
                 if self.norm_form == "auto" and isinstance(part, Outer) and part.worth_materialising():
                     got[attr], materialised = Dense(part.per_sample()), True
             rec.parts[layer] = got, materialised
-            if materialised or type(layer.rule).difference is GhostRule.difference:
-                # Whatever follows reads these parts, never the calls: their recorded tensors are let go.
-                rec.calls[layer] = []
+            if self._parts_only(layer, materialised):
+                rec.calls[layer] = []  # whatever follows reads the parts: the recorded tensors are let go
         return rec.parts[layer]
+
+    @staticmethod
+    def _parts_only(layer: _Layer, materialised: bool) -> bool:
+        """Whether a difference of ``layer`` combines its parts at the two points (materialised, or a rule
+        without a difference form of its own) rather than reading its recorded calls."""
+        return materialised or type(layer.rule).difference is GhostRule.difference
 
     def _clip(self, parts: list[tuple[int, Part]], clip: float, weights: Tensor | None,
               batch: int) -> tuple[Grads, Tensor]:

@@ -103,7 +103,7 @@ _WEIGHT_GRADS = {
 }
 _CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # Up to this many input channels (a first layer on grey or colour images), per-sample weight gradients come
-# from one grouped convolution, 1.1-4x faster than vmap's batched weight gradient on the host; above it, vmap.
+# from one grouped convolution, 1-4x faster than vmap's batched weight gradient on the host; above it, vmap.
 _GROUPED_MAX_CHANNELS = 3
 
 
