@@ -1,13 +1,13 @@
 """A sensitivity harness: every release of every dpvr algorithm moves, between neighbouring datasets, by at
 most the sensitivity its accountant charges for it, and the accountant charges what was released.
 
-**What is checked.** Every release goes through :func:`dpvr.ops.noisy_update` (phased output perturbation
-through :func:`dpvr.ops.add_noise`), which releases ``v <- (0 if reset else v) + scale * sum + sigma * xi``.
-A stream's noise multiplier ``z`` is the noise std over the add/remove bound on one record's contribution
-to the released value (:mod:`dpvr.privacy.relations`), so a release with noise std ``sigma`` is charged for
-moving by ``sigma / z`` under add/remove and ``2 sigma / z`` under replace-one. With the noise off, the
-released values on two neighbouring datasets must differ by no more than that, and ``sigma`` itself must be
-the same on both (a noise std that depends on the private data is not a Gaussian mechanism of that std).
+**What is checked.** Every release goes through :func:`dpvr.ops.noisy_update`, which releases
+``v <- (0 if reset else v) + scale * sum + sigma * xi``. A stream's noise multiplier ``z`` is the noise std
+over the add/remove bound on one record's contribution to the released value (:mod:`dpvr.privacy.relations`),
+so a release with noise std ``sigma`` is charged for moving by ``sigma / z`` under add/remove and
+``2 sigma / z`` under replace-one. With the noise off, the released values on two neighbouring datasets must
+differ by no more than that, and ``sigma`` itself must be the same on both (a noise std that depends on the
+private data is not a Gaussian mechanism of that std).
 
 **Why lockstep.** The privacy of an adaptive composition is argued release by release, each conditioned on
 everything released before it. So the harness runs an algorithm ``A`` on a dataset ``D`` and a twin ``B`` on
@@ -66,7 +66,6 @@ from dpvr.optim import (
     RecursiveSpider,
     RuntimeConfig,
 )
-from dpvr.optim.phased import algorithm as phased_algorithm
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import events
 from dpvr.privacy.accountant import event_to_dict
@@ -526,15 +525,10 @@ class Tape:
     @contextlib.contextmanager
     def running(self) -> Iterator[Tape]:
         """Routes every release and batch draw through this tape (the algorithms look both up at call time:
-        ``ops.noisy_update``, phased's ``add_noise``, ``sampler.draw``)."""
+        ``ops.noisy_update``, ``sampler.draw``)."""
         noisy_update, draw = dpvr.ops.noisy_update, BatchSampler.draw
-
-        def add_noise(out: Any, sigma: float, **kwargs: Any) -> None:
-            self._noisy_update(noisy_update, out, sigma=sigma, **kwargs)
-
         patches = [
             (dpvr.ops, "noisy_update", lambda v, **kwargs: self._noisy_update(noisy_update, v, **kwargs)),
-            (phased_algorithm, "add_noise", add_noise),
             (BatchSampler, "draw", lambda sampler: self._draw(draw, sampler)),
         ]
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -720,8 +714,11 @@ def accounting_problems(
     alg: PrivateAlgorithm,
     releases: Sequence[Release],
     exposure: Callable[[PrivateAlgorithm, Release], Hashable | None],
+    *,
+    complete_plan: bool = True,
 ) -> list[str]:
-    """Everything on which the accountant and the run disagree (empty when they agree)."""
+    """Everything on which the accountant and the run disagree (empty when they agree); ``complete_plan``:
+    a complete run must also be charged exactly its plan (not so a run with re-run branches)."""
     ledger = _ledger(alg)
     problems: list[str] = []
     streams = sorted({r.stream for r in releases} | {s for e in ledger for s in e["streams"]})
@@ -771,7 +768,7 @@ def accounting_problems(
                             f"step {r.step}, stream {stream!r}: released without drawing a batch "
                             f"but charged as sampled ({event['type']})"
                         )
-    if alg.steps_done == alg.total_steps and not getattr(alg, "last_iterate_only", False):
+    if complete_plan and alg.steps_done == alg.total_steps and not getattr(alg, "last_iterate_only", False):
         problems += _plan_problems(alg)
     return problems
 
@@ -848,7 +845,7 @@ def resume_differences(spec: Algorithm, config: Config, data: Data, at: int) -> 
             before.step = step
             first.step()
     with tempfile.TemporaryDirectory() as tmp, Tape(noise=True).running() as after:
-        path = os.path.join(tmp, "run.ckpt")  # with its release journal, written as the resumed run steps
+        path = os.path.join(tmp, "run.ckpt")  # with the run's ledger, written as the resumed run steps
         first.save_checkpoint(path)
         resumed = spec.build(data, config)
         resumed.load_checkpoint(path)
@@ -873,6 +870,41 @@ def resume_differences(spec: Algorithm, config: Config, data: Data, at: int) -> 
         problems.append("the resumed run drew other batches than the uninterrupted one")
     if resumed.accountant.state_dict() != whole.accountant.state_dict():
         problems.append("the resumed run's accountant differs from the uninterrupted run's")
+    return problems
+
+
+def older_resume_problems(spec: Algorithm, config: Config, data: Data, at: int) -> list[str] | None:
+    """Runs ``spec`` to the end with a checkpoint after ``at`` steps, then resumes that (older) checkpoint in
+    a fresh algorithm and runs it to the end again; noise on. The resumed accountant must charge every
+    release both branches made, per stream and for the record exposed most (the releases the first branch
+    made after the checkpoint come from the run's ledger), and the re-run branch must draw other batches
+    than the first from the same sampler state (fresh sampling randomness). ``None``: the library refused
+    to go on from the older checkpoint (a last-iterate run that released its last iterate)."""
+    first = spec.build(data, config)
+    with tempfile.TemporaryDirectory() as tmp, Tape(noise=True).running() as tape:
+        path = os.path.join(tmp, "run.ckpt")
+        for step in range(1, first.total_steps + 1):
+            if step == at + 1:
+                first.save_checkpoint(path)
+                branch_start = len(tape.draws)
+            tape.step = step
+            first.step()
+        resumed = spec.build(data, config)
+        try:
+            resumed.load_checkpoint(path)
+        except ValueError as refused:
+            if getattr(resumed, "last_iterate_only", False) and "second trajectory" in str(refused):
+                return None
+            raise
+        first_branch = tape.draws[branch_start:]
+        for step in range(at + 1, resumed.total_steps + 1):
+            tape.step = step
+            resumed.step()
+    problems = accounting_problems(resumed, tape.releases, spec.exposure, complete_plan=False)
+    rerun = tape.draws[len(tape.draws) - len(first_branch) :]
+    sampled = [d for d in first_branch if d.scheme in ("poisson", "wor", "random-allocation")]
+    if sampled and [d.indices.tolist() for d in rerun] == [d.indices.tolist() for d in first_branch]:
+        problems.append("the re-run drew the first branch's batches again: its sampling is not fresh")
     return problems
 
 

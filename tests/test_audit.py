@@ -26,6 +26,7 @@ from dpvr.audit.targets import (
     double_spider_eta,
     dp_gd,
     dp_sgda,
+    last_iterate,
     private_diff,
     private_diff_difference,
     private_diff_y_output,
@@ -36,7 +37,7 @@ from dpvr.audit.targets import (
 )
 from dpvr.cli import main
 from dpvr.grads import per_sample_grads_at_two_points
-from dpvr.optim import DIFF2, DPGD, DoubleSpider, PrivateDiff, RecursiveSpider
+from dpvr.optim import DIFF2, DPGD, DPSGD, DoubleSpider, PrivateDiff, RecursiveSpider
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence chatter
 
@@ -125,8 +126,19 @@ def quieter(cls, streams, factor):
     """``cls`` adding ``factor`` times the noise it accounts for to ``streams`` (0: released unnoised)."""
 
     class Quieter(cls):
-        def std(self, stream, unit):  # every release draws its noise std here; the accountant is untouched
-            return super().std(stream, unit) * (factor if stream in streams else 1.0)
+        def step(self):  # every release draws its noise through ops.noisy_update; the accountant is untouched
+            draw = ops.noisy_update
+
+            def quieter_draw(v, **kwargs):
+                if kwargs["stream"] in streams:
+                    kwargs["sigma"] *= factor
+                return draw(v, **kwargs)
+
+            ops.noisy_update = quieter_draw
+            try:
+                return super().step()
+            finally:
+                ops.noisy_update = draw
 
     return Quieter
 
@@ -197,6 +209,13 @@ def test_power_unprivatised_value_released():
     game = dp_gd(algorithm=LeakedGradient, noise_multiplier=4.0)
     game.score = lambda trace, _: trace.infos[-1]["grad_sum"]  # the auditor reads what the step returned
     result = audit(game, 300, seed=7)
+    assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+def test_power_last_iterate_noise_scaled_twice():
+    """The last-iterate game catches noise far below the priced std (a release that rescales the plan's
+    parameter-space sigma again draws lr C / b times it: 1/80 in the review's configuration)."""
+    result = audit(last_iterate(algorithm=quieter(DPSGD, ("gradient",), 0.05)), 300, seed=9)
     assert result.epsilon_lower_bound > result.claimed_epsilon
 
 

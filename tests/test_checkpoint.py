@@ -62,9 +62,10 @@ def test_resume_is_exact(tmp_path, kind):
     first.run(3, progress=False)
     path = tmp_path / "ckpt"
     first.save_checkpoint(path)
-    # no temporary file left behind; the release journal is empty until a release follows the checkpoint
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.releases"]
-    assert (tmp_path / "ckpt.releases").read_bytes() == b""
+    # no temporary file left behind; the run's ledger is empty until a release follows the checkpoint
+    ledger = f"dpvr-run-{first.ledger.run}.ledger"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", ledger])
+    assert (tmp_path / ledger).read_bytes() == b""
     resumed = make(kind)
     resumed.generator = dpvr.NoiseGenerator(seed=99, reproducible=True)  # the checkpoint must override it
     resumed.load_checkpoint(path)
@@ -121,9 +122,10 @@ def test_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         alg.save_checkpoint(path)
     assert path.read_bytes() == old
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.releases"]
-    # the journal still holds the release made since the old checkpoint
-    assert len((tmp_path / "ckpt.releases").read_bytes().splitlines()) == 1
+    ledger = f"dpvr-run-{alg.ledger.run}.ledger"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", ledger])
+    # the run's ledger still holds the release made since the old checkpoint
+    assert len((tmp_path / ledger).read_bytes().splitlines()) == 1
 
 
 def test_budget_guard_holds_across_a_resume(tmp_path):

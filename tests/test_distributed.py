@@ -1,5 +1,6 @@
 """Distributed DIFF2 on loopback gloo: bitwise equivalence with the simulation, failures, resume."""
 
+import json
 import os
 import re
 import subprocess
@@ -120,10 +121,14 @@ def test_a_failing_client_ends_the_run_on_every_rank(shards, tmp_path, how):
     survivors = [0, 1, 3] if how != "raise" else [0, 1, 2, 3]
     for rank in survivors:  # every surviving rank raised with the same reason
         assert caught.value.ranks[rank] == message
-    # No checkpoint for the failed round: the last complete one, intact, and no temporary file. Its release
-    # journal holds the failed round, admitted before it failed: a resume charges it (conservatively).
-    assert sorted(os.listdir(tmp_path)) == ["run.ckpt", "run.ckpt.releases"]
-    assert len((tmp_path / "run.ckpt.releases").read_bytes().splitlines()) == 1
+    # No checkpoint for the failed round: the last complete one, intact, and no temporary file. The run's
+    # ledger holds the failed round, admitted before it failed: a resume charges it (conservatively).
+    ledger = [name for name in os.listdir(tmp_path) if name != "run.ckpt"]
+    assert len(ledger) == 1 and ledger[0].startswith("dpvr-run-") and ledger[0].endswith(".ledger")
+    state = read_checkpoint(path)["ledger"]
+    assert state["path"].endswith(ledger[0])
+    entries = map(json.loads, (tmp_path / ledger[0]).read_bytes().splitlines())
+    assert len([e for e in entries if e["seq"] > state["seq"]]) == 1
     assert read_checkpoint(path)["steps_done"] == failed - 1
 
 

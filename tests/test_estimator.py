@@ -13,6 +13,7 @@ from dpvr.optim import (
     DIFF2,
     DPSGD,
     DPSGDA,
+    ClippedSum,
     DifferenceEstimator,
     DivergedError,
     DoubleSpider,
@@ -66,9 +67,9 @@ def test_difference_estimator_release_matches_a_float64_reference() -> None:
         torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
         torch.tensor([-1.0, 0.5], dtype=torch.float64),
     ]
-    v.release("s", total, reset=True, std=0.0, generator=_gen(), scale=0.5)
+    v.release("s", ClippedSum(total, 0.0, 2), noise_multiplier=1.0, reset=True, generator=_gen())
     torch.testing.assert_close(v.value[0], 0.5 * total[0])
-    v.release("s", total, reset=False, std=0.0, generator=_gen(), scale=1.0)
+    v.release("s", ClippedSum(total, 0.0, 1), noise_multiplier=1.0, reset=False, generator=_gen())
     torch.testing.assert_close(v.value[1], 1.5 * total[1])
 
 
@@ -83,7 +84,8 @@ def test_fused_sgd_step_and_optimizer_step_agree_and_both_measure_the_move() -> 
         v = DifferenceEstimator(x.flat)
         total = [torch.tensor([0.3, 0.1, -0.2], dtype=torch.float64)]
         v.release(
-            "s", total, reset=True, std=0.5, generator=_gen(), iterate=x, lr=None if use_optimizer else 0.1
+            "s", ClippedSum(total, 0.5), noise_multiplier=1.0, reset=True, generator=_gen(), iterate=x,
+            lr=None if use_optimizer else 0.1,
         )
         results.append((params[0].detach().clone(), x.previous[0].clone(), x.move, v.value[0].clone()))
     (p_sgd, prev_sgd, move_sgd, v_sgd), (p_opt, prev_opt, move_opt, v_opt) = results

@@ -158,7 +158,9 @@ def test_two_points(case) -> None:
     point = shifted(model)
     grads_a, grads_b, losses_a, losses_b = per_sample_grads_at_two_points(
         model, loss_fn, inputs, targets, here, point, chunk_size=4, return_loss=True)
-    assert_all_equal(grads_a, per_sample_grads(model, loss_fn, inputs, targets))
+    # chunks of 4 against the whole batch: a convolution may take another kernel for another batch shape, so
+    # equal up to float64 rounding, not bit for bit (which held on one CPU and not on another)
+    assert_all_close(grads_a, per_sample_grads(model, loss_fn, inputs, targets))
     expected_b, expected_losses_b = loop_reference(model_at(model, point), loss_fn, inputs, targets)
     assert_all_close(grads_b, expected_b)
     torch.testing.assert_close(losses_b, expected_losses_b, rtol=1e-12, atol=1e-12)

@@ -155,8 +155,8 @@ def test_spent_epsilon_equals_the_account_cli(data, capsys):
     pd.run(progress=False)
     out = _cli(capsys, [
         "account", "private-diff", "--dataset-size", "40", "--batch-size", "10", "--steps", "6",
-        "--restart", "2", "--y-steps", "3", "--sigma-x1", repr(pd.std("checkpoint", 1.0)),
-        "--sigma-x2", repr(pd.std("difference", 1.0)), "--sigma-y", repr(pd.std("y", 1.0)),
+        "--restart", "2", "--y-steps", "3", "--sigma-x1", _paper_sigma(pd, "checkpoint"),
+        "--sigma-x2", _paper_sigma(pd, "difference"), "--sigma-y", _paper_sigma(pd, "y"),
         "--delta", "1e-4",
     ])  # fmt: skip
     assert pd.privacy_spent().epsilon == pytest.approx(out["epsilon"], rel=1e-9)
@@ -170,7 +170,7 @@ def test_spent_epsilon_equals_the_account_cli(data, capsys):
     sgda.run(progress=False)
     out = _cli(capsys, [
         "account", "dp-sgda", "--dataset-size", "40", "--batch-size", "10", "--steps", "8",
-        "--sigma-x", repr(sgda.std("x", 1.0)), "--sigma-y", repr(sgda.std("y", 1.0)), "--delta", "1e-4",
+        "--sigma-x", _paper_sigma(sgda, "x"), "--sigma-y", _paper_sigma(sgda, "y"), "--delta", "1e-4",
     ])  # fmt: skip
     assert sgda.privacy_spent().epsilon == pytest.approx(out["epsilon"], rel=1e-9)
 
@@ -218,3 +218,8 @@ def test_bad_arguments(data):
             model_fn(), PROBLEM, x, y, lr=0.1, lr_y=0.1, steps=2, restart=1, y_steps=1, batch_size=4,
             clip={"y": 1, "checkpoint": 1, "difference": (1, -1)}, privacy=PrivacyConfig(epsilon=1.0),
         )  # fmt: skip
+
+
+def _paper_sigma(alg, stream: str) -> str:
+    """The paper's sigma of ``stream`` (the ``dpvr account`` flags take it), from the noise multiplier."""
+    return repr(alg.plan.sigma(alg.noise[stream], stream))

@@ -13,7 +13,10 @@ from dpvr.audit.games import CanaryMinimax
 from dpvr.cli import main
 from dpvr.objectives import AUCMargin, AUCModel
 from dpvr.optim import PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim.minimax import YRounding
 from dpvr.privacy import account
+from dpvr.problems import MinimaxProblem
+from dpvr.problems.minimax import YSensitivity
 
 TINY = 1e-100  # noise this small is absorbed by float64 rounding: the run is noise-free
 CLIP = {"checkpoint": 1e6, "difference": (1e6, 0.0)}
@@ -110,7 +113,7 @@ def test_certificate_bounds_the_distance_to_the_float64_solution(data, version, 
     # too few iterations to certify: refused loudly, nothing released
     short = output_diff(mlp(), problem, x, y, y_tolerance=tolerance, y_steps=1, lr_y=step)
     short.y.fill_(1.5)
-    with pytest.raises(RuntimeError, match="not solved to y_tolerance"):
+    with pytest.raises(RuntimeError, match=r"not solved to y_tolerance=1e-06 in y_steps=1 .*: raise y_steps"):
         short._solve_y()
 
 
@@ -224,7 +227,123 @@ def test_calibration_spends_its_epsilon_and_matches_the_account_cli(data, capsys
     assert main([
         "account", "private-diff", "--dataset-size", "40", "--batch-size", "10", "--steps", "6",
         "--restart", "2", "--y-steps", "3", "--y-release", "output",
-        "--sigma-x1", repr(alg.std("checkpoint", 1.0)), "--sigma-x2", repr(alg.std("difference", 1.0)),
-        "--sigma-y", repr(alg.std("y", 1.0)), "--delta", "1e-4", "--json",
+        "--sigma-x1", _paper_sigma(alg, "checkpoint"), "--sigma-x2", _paper_sigma(alg, "difference"),
+        "--sigma-y", _paper_sigma(alg, "y"), "--delta", "1e-4", "--json",
     ]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(spent.epsilon, rel=1e-9)
+
+
+class SignMean(MinimaxProblem):
+    """``f(o, t, y) = t y - y^2 / 2`` on ``Y = [-1, 1]`` with targets ``t`` in ``{-1, +1}``: the inner
+    maximiser is the mean of the targets, exactly computable from their counts (``gradient_range = 2``,
+    ``mu = L = 1``). The model's output does not enter; ``y_grads`` is the default's vmapped gradient
+    ``t - y`` as one vectorised expression, so that millions of records take a fraction of a second."""
+
+    y_dim, strong_concavity, diameter, y_lipschitz = 1, 1.0, 2.0, 2.0
+
+    def loss(self, output, target, y):
+        return target.to(y.dtype) * y[0] - 0.5 * (y**2).sum() + 0.0 * output.sum()
+
+    def y_grads(self, outputs, targets, y):
+        return targets.to(y.dtype)[:, None] - y
+
+    def project(self, y):
+        return y.clamp(-1.0, 1.0)
+
+    def y_sensitivity(self):
+        return YSensitivity(gradient_range=2.0, strong_concavity=1.0, smoothness=1.0)
+
+    def bounded_outputs(self, outputs):
+        return torch.nan_to_num(outputs, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def sign_mean_diff(n: int, **kw) -> PrivateDiff:
+    """PrivateDiff with y by output perturbation over ``n`` records of :class:`SignMean` (zero inputs, a
+    scalar model; every third record has target ``+1``, the others ``-1``), the default tolerance unless
+    ``kw`` says otherwise."""
+    inputs = torch.zeros(1, 1, dtype=torch.float64).expand(n, 1)  # one stored value: the output is public
+    targets = torch.where(torch.arange(n) % 3 == 0, 1, -1).to(torch.int8)
+    model = torch.nn.Linear(1, 1, bias=False).double()
+    return output_diff(model, SignMean(), inputs, targets, batch_size=8, sampling="wor", **kw)
+
+
+def test_default_tolerance_certifies_ten_million_records():
+    """Privacy review item 12: the rounding allowance grew as ``n eps`` while the default tolerance shrinks
+    as ``1/n``, so above a few million records the default configuration could not certify (and the error
+    named ``y_steps``). The default must certify at any ``n``, its ``y_hat`` within the tolerance of the
+    exact maximiser."""
+    n = 10_000_000
+    alg = sign_mean_diff(n)
+    assert alg.y_tolerance == pytest.approx(0.01 * 2 / n, rel=1e-12)  # still 1% of the stability here
+    y_hat, dropped = alg._solve_y()
+    assert dropped == 0
+    positives = (n + 2) // 3
+    exact = (positives - (n - positives)) / n  # the exact mean of the targets
+    assert abs(float(y_hat) - exact) <= alg.y_tolerance
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("p", [0.5, 0.02])
+def test_default_tolerance_stays_above_the_rounding_allowance_at_any_n(version, p):
+    """The allowance is public and grows as ``log2 n``: in float64 the default stays 1% of the stability to
+    ``1e10`` records, and at every ``n`` it is at least ``4 A``; a float32 ``y`` adds its own rounding."""
+    problem = AUCMargin(p, version=version)
+    constants = problem.y_sensitivity()
+    step = 1 / constants.smoothness
+    for exponent in range(1, 19):
+        n = 10**exponent
+        rounding = YRounding.of(problem, constants, n, step, torch.float64)
+        stability = constants.stability(n)
+        tolerance = rounding.default_tolerance(stability)
+        assert tolerance >= 4 * rounding.allowance > 0
+        if n <= 10**10:
+            assert tolerance == 0.01 * stability
+        assert rounding.allowance < 1e-12  # log2 n, not n: ~1e-13 even at n = 1e18
+        single = YRounding.of(problem, constants, n, step, torch.float32)
+        assert single.default_tolerance(stability) >= 4 * single.allowance + 2**-24 * problem.diameter
+
+
+def test_an_uncertifiable_tolerance_is_refused_naming_y_tolerance(data):
+    """A tolerance below what float rounding lets any number of iterations certify is refused at
+    construction (a public check: nothing is read or released), with the knob that fixes it and the
+    numbers; the smallest accepted tolerance does certify."""
+    x, y = data
+    problem = AUCMargin(0.3)
+    constants = problem.y_sensitivity()
+    rounding = YRounding.of(problem, constants, len(x), 1 / constants.smoothness, torch.float64)
+    minimum = rounding.minimum_tolerance
+    with pytest.raises(ValueError) as refused:
+        output_diff(mlp(), problem, x, y, y_tolerance=1e-16)
+    message = str(refused.value)
+    assert message.startswith(f"y_tolerance=1e-16 is below {minimum:.3g}")
+    for part in ("n=40 records", f"allowance is {rounding.allowance:.3g}", "Raise y_tolerance to at least",
+                 "more y_steps cannot help"):  # fmt: skip
+        assert part in message
+    alg = output_diff(mlp(), problem, x, y, y_tolerance=minimum, y_steps=50)
+    alg.y.fill_(1.5)
+    solved, _ = alg._solve_y()
+    with torch.no_grad():
+        assert abs(float(solved) - closed_form(problem, alg.model.scores(x), y)) <= minimum
+    # a float32 y cannot be certified closer than its own rounding: the message says so
+    single = AUCModel(torch.nn.Linear(5, 1))
+    with pytest.raises(ValueError, match=r"y_tolerance=1e-09 is below 1\.\d+e-07.*rounding y to float32"):
+        output_diff(single, problem, x.float(), y, y_tolerance=1e-9)
+
+
+def test_a_problem_whose_y_lipschitz_is_false_is_caught():
+    """The allowance trusts ``y_lipschitz`` to bound each record's gradient: a computed gradient longer than
+    that stops the solve instead of certifying with a wrong allowance."""
+
+    class Understated(SignMean):
+        y_lipschitz = 0.5  # the gradients t - y reach 2
+
+    inputs = torch.zeros(10, 1, dtype=torch.float64)
+    targets = torch.tensor([1, -1] * 5, dtype=torch.int8)
+    alg = output_diff(torch.nn.Linear(1, 1, bias=False).double(), Understated(), inputs, targets)
+    with pytest.raises(RuntimeError, match="longer than its y_lipschitz=0.5"):
+        alg._solve_y()
+
+
+def _paper_sigma(alg, stream: str) -> str:
+    """The paper's sigma of ``stream`` (the ``dpvr account`` flags take it), from the noise multiplier."""
+    return repr(alg.plan.sigma(alg.noise[stream], stream))

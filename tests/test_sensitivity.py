@@ -431,6 +431,27 @@ def test_a_resumed_run_releases_what_the_uninterrupted_run_releases(name, data):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@given(data=st.data())
+@settings(GENERATED, max_examples=2)
+def test_a_resume_from_an_older_checkpoint_charges_both_branches(name, data):
+    """Run to the end with a checkpoint on the way, then resume that older checkpoint and run to the end
+    again: the accountant charges every release of both branches (the first branch's after the checkpoint
+    from the run's ledger), and the re-run draws fresh batches."""
+    config = data.draw(CONFIGS[name](), label="config")
+    spec = ALGORITHMS[name]
+    original = harness.neighbours(spec.task, config).original
+    try:
+        total = spec.build(original, config).total_steps
+    except ValueError as refused:
+        assert config["relation"] == ADD_REMOVE, f"refused {config}: {refused}"
+        reject()
+    assume(total >= 2)
+    at = data.draw(st.integers(1, total - 1), label="checkpoint after")
+    problems = harness.older_resume_problems(spec, config, original, at)
+    assert problems is None or not problems, "\n".join(problems)
+
+
 # ---- phased output perturbation -------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", ["sc", "c"])
 @given(index=st.integers(0, 11), adversary=st.sampled_from(["opposed", "negated"]))

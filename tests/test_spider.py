@@ -121,13 +121,14 @@ def test_recursive_spider_without_noise_or_clipping_is_the_non_private_recursion
 
 
 def _releases(alg):
-    """Wraps ``alg._release`` to keep (stream, unit, released sum) of every call; the unit is the clip
-    radius, or half the range of a one-sided term (what the noise is scaled to)."""
+    """Wraps ``alg._release`` to keep (stream, unit, released sum) of every call; the unit is the bound the
+    clipped sum carries: the clip radius, or half the range of a one-sided term (what the noise is scaled
+    to)."""
     seen, release = [], alg._release
 
-    def spy(stream, estimator, total, unit, reset):
-        seen.append((stream, unit, torch.cat([t.reshape(-1) for t in total]).clone()))
-        release(stream, estimator, total, unit, reset)
+    def spy(stream, estimator, clipped, reset):
+        seen.append((stream, clipped.bound, torch.cat([t.reshape(-1) for t in clipped.tensors]).clone()))
+        release(stream, estimator, clipped, reset)
 
     alg._release = spy
     return seen

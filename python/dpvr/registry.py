@@ -433,6 +433,7 @@ _SPECS = (
         "dpvr.optim:DPSGD",
         algorithm_options={"sampling": "cyclic"},
         sigmas=(Sigma("gradient", "sigma", "noise std in parameter space"),),
+        audit_games=("last-iterate",),
     ),
 )
 

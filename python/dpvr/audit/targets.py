@@ -165,6 +165,42 @@ def dp_sgd(
     )
 
 
+def last_iterate(
+    epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPSGD, **noise: float
+) -> Game:
+    """Cyclic DP-SGD releasing only its last iterate (Kong & Ribero), replace-one: the canary (gradient
+    ``+C e``) vs its mirror (``-C e``), 8 records in cyclic batches of 4, two passes. The losses are linear
+    (0-weakly convex, 0-smooth), so the last-iterate bound applies at any step size; the score reads only the
+    last iterate, the one release the bound covers."""
+    data = white_box_records(8, canary=(1.0, 0.0), neighbour=(-1.0, 0.0))
+
+    def build(cls, generator, seed, side=0, epsilon=None, **options):
+        x, y = data[side]
+        return cls(
+            scalar_model(),
+            canary_loss,
+            x,
+            y,
+            lr=1.0,
+            clip=1.0,
+            steps=4,
+            batch_size=4,
+            sampling="cyclic",
+            weak_convexity=0.0,
+            smoothness=0.0,
+            **_configs(generator, seed, delta, "rdp", epsilon),
+            **options,
+        )
+
+    z = noise.get("noise_multiplier") or _calibrated(DPSGD, build, epsilon, delta)["gradient"]
+    return AlgorithmGame(
+        "last-iterate",
+        delta,
+        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
+        descent_score([1.0]),
+    )
+
+
 def _diff2(routine: str, epsilon: float, delta: float, algorithm: type, noise: dict[str, float]) -> Game:
     # The flip canary: w starts at -a; 190 drivers move it to about +a in the restart round (far more than
     # the noise), so the canary's |o| gradient flips from -G e to +G e and its same-sample difference in the
@@ -757,6 +793,7 @@ TARGETS: dict[str, Target] = {
         Target("dp-sgd", "DP-SGD (Poisson, add/remove), white-box gradient canary", dp_sgd, trials=2000),
         Target("dp-gd", "DP-GD (replace-one), white-box gradient canary", dp_gd),
         Target("dp-gd-input", "DP-GD logistic regression, input-space canary (end to end)", dp_gd_input),
+        Target("last-iterate", "cyclic DP-SGD, white-box canary, only the last iterate scored", last_iterate),
         Target("diff2-gd", "DIFF2-GD, flip canary through a restart and a difference round", diff2_gd),
         Target(
             "diff2-bvr-l-sgd", "DIFF2-BVR-L-SGD, restart plus a local difference step", diff2_bvr, trials=1000

@@ -2,7 +2,7 @@
 
 The aggregator (rank 0) runs :class:`dpvr.optim.DIFF2` unchanged and alone holds the noise generator,
 the accountant and the checkpoints, which DIFF2 itself writes (after complete rounds only) and reads, with
-its release journal: :meth:`~dpvr.optim.DIFF2.save_checkpoint`, :meth:`~dpvr.optim.DIFF2.load_checkpoint`.
+its run ledger: :meth:`~dpvr.optim.DIFF2.save_checkpoint`, :meth:`~dpvr.optim.DIFF2.load_checkpoint`.
 """
 
 from __future__ import annotations

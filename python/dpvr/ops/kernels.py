@@ -284,10 +284,16 @@ def noisy_update(
     if sigma > 0:
         inputs = b""
         if generator.bound:
-            # The key binds the signal the noise hides: two draws meet only on bit-identical sums, where the
-            # releases differ by (v - v'), a function of earlier releases, and reveal nothing new.
-            signal = [] if sum is None else _as_list(sum, "sum")
-            inputs = _digest(signal, (float(scale), float(sigma), bool(reset)), on_host=call.device == CPU)
+            # The key binds the release (its ledger entry, unique in the run) and, on the host, the signal the
+            # noise hides too: two draws meet only on bit-identical sums, where the releases differ by
+            # (v - v'), a function of earlier releases, and reveal nothing new.
+            if call.device != CPU and not generator.release:
+                raise ValueError(
+                    "generator: a bound generator draws noise for device arrays only inside a named release "
+                    "(NoiseGenerator.for_release): on the device the key is not derived from the signal"
+                )
+            signal = [] if sum is None or call.device != CPU else _as_list(sum, "sum")
+            inputs = _digest(signal, (float(scale), float(sigma), bool(reset)))
         key = generator.next_key(stream, inputs)
     _C.noisy_update(
         call.device,
@@ -311,26 +317,16 @@ def noisy_update(
     return float(norm[0]) if call.device == CPU else norm
 
 
-def _digest(arrays: Sequence[Array], scalars: tuple, *, on_host: bool) -> bytes:
-    """A BLAKE3 digest of ``arrays``' values (already validated by the caller) and ``scalars``:
+def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
+    """A BLAKE3 digest of host ``arrays``' values (already validated by the caller) and ``scalars``:
     bit-identical inputs, and only those, give equal digests (BLAKE3 is collision resistant and, on the
-    signal every release hashes, about five times faster than SHA-256). Host arrays are hashed in
-    place; CUDA torch tensors are reduced on the device to two position-weighted integer sums of their bits
-    (which a change of any one element alters), so only 16 bytes cross to the host."""
+    signal every release hashes, about five times faster than SHA-256). Device arrays are not hashed: a
+    collision-resistant hash of them would cost a copy to the host or a kernel of its own, and the release's
+    ledger entry already makes every key of a run unique (:meth:`NoiseGenerator.for_release`)."""
     h = blake3(repr(scalars).encode())
     for a in arrays:
-        if on_host:
-            host = a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
-            h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
-        elif hasattr(a, "detach"):  # torch
-            import torch
-
-            bits = a.detach().contiguous().reshape(-1)
-            bits = bits.view(torch.int32 if bits.element_size() == 4 else torch.int64).to(torch.int64)
-            weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
-            h.update(torch.stack([bits.sum(), (bits * weights).sum()]).cpu().numpy().tobytes())
-        else:  # cupy
-            h.update(np.ascontiguousarray(a.get()).reshape(-1).view(np.uint8))
+        host = a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
+        h.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
     return h.digest()
 
 

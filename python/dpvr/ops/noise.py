@@ -50,11 +50,12 @@ class NoiseGenerator:
     training data, since the seed lets anyone regenerate and remove the noise.
 
     Binding (what the algorithms use): after :meth:`bind` with a run's context (a digest of every setting
-    that shapes its releases), each key's seed is ``H(seed, context, inputs)``, where ``inputs`` is a digest
-    of the signal the release adds noise to (:func:`dpvr.ops.noisy_update` computes it). Two releases then
-    share noise only if they have the same seed, settings, stream, step *and* bit-identical signals, so their
-    difference is a function of earlier releases: no replay, resume or reconfiguration can subtract one
-    noise draw from another to expose a signal.
+    that shapes its releases), each key's seed is ``H(seed, context, release, inputs)``: ``release`` names the
+    release being made (:meth:`for_release`: the run, segment and sequence number of its ledger entry, which
+    never repeat within a run, across every resume), and ``inputs`` is a digest of the signal the noise is
+    added to (:func:`dpvr.ops.noisy_update` computes it for host arrays). Two releases of a run never share
+    a noise draw, on any device; on the host they would not even if a ledger were lost, unless their
+    signals were bit-identical (their difference is then a function of earlier releases).
     """
 
     def __init__(self, seed: int | None = None, *, reproducible: bool = False) -> None:
@@ -69,8 +70,10 @@ class NoiseGenerator:
                     "reproducible=True to opt into reproducible noise, or no seed for private noise"
                 )
         self._seed = seed
+        self.reproducible = reproducible
         self._streams: dict[str, list[int]] = {}  # name -> [stream id, next step]
         self._context: bytes | None = None
+        self._release: bytes = b""
 
     @property
     def seed(self) -> int:
@@ -86,6 +89,18 @@ class NoiseGenerator:
         if not isinstance(context, bytes) or not context:
             raise ValueError("context: must be non-empty bytes")
         self._context = context
+
+    def for_release(self, release: bytes) -> None:
+        """Derive the keys of the release about to be made from ``release`` too (see the class
+        documentation); it names that release for as long as the next one has not been named."""
+        if not isinstance(release, bytes) or not release:
+            raise ValueError("release: must be non-empty bytes")
+        self._release = release
+
+    @property
+    def release(self) -> bytes:
+        """The name of the release being made (empty before :meth:`for_release`)."""
+        return self._release
 
     def stream_id(self, name: str) -> int:
         """The id of stream ``name``; ids are assigned in order of first use."""
@@ -105,7 +120,7 @@ class NoiseGenerator:
         seed = self._seed
         if self._context is not None:
             digest = hashlib.blake2b(digest_size=8)
-            for part in (seed.to_bytes(8, "little"), self._context, inputs):
+            for part in (seed.to_bytes(8, "little"), self._context, self._release, inputs):
                 digest.update(len(part).to_bytes(8, "little"))
                 digest.update(part)
             seed = int.from_bytes(digest.digest(), "little")
@@ -120,22 +135,27 @@ class NoiseGenerator:
     def state_dict(self) -> dict[str, Any]:
         """Seed and step counters. The binding context is not kept: the algorithm that loads the state
         binds it again with its own context."""
-        return {"seed": self._seed, "streams": {k: list(v) for k, v in self._streams.items()}}
+        return {
+            "seed": self._seed,
+            "reproducible": self.reproducible,
+            "streams": {k: list(v) for k, v in self._streams.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             seed = int(state["seed"])
+            reproducible = bool(state.get("reproducible", False))
             streams = {str(k): [int(v[0]), int(v[1])] for k, v in state["streams"].items()}
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise ValueError(f"state: not a NoiseGenerator state ({err})") from None
         ids = sorted(v[0] for v in streams.values())
         if not 0 <= seed < 2**64 or ids != list(range(len(ids))) or any(v[1] < 0 for v in streams.values()):
             raise ValueError("state: corrupt NoiseGenerator state (seed range, stream ids or step counters)")
-        self._seed, self._streams = seed, streams
+        self._seed, self._streams, self.reproducible = seed, streams, reproducible
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> NoiseGenerator:
         gen = cls.__new__(cls)
-        gen._seed, gen._streams, gen._context = 0, {}, None
+        gen._seed, gen._streams, gen._context, gen._release, gen.reproducible = 0, {}, None, b"", False
         gen.load_state_dict(state)
         return gen

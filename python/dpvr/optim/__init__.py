@@ -4,7 +4,7 @@ from .base import BudgetExhaustedError, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig
 from .diff2 import DIFF2
 from .dpsgd import DPGD, DPSGD
-from .estimator import DifferenceEstimator, DivergedError, Iterate, Radius
+from .estimator import ClippedSum, DifferenceEstimator, DivergedError, Iterate, Radius
 from .gradients import check_loss
 from .minimax import DPSGDA, MinimaxAlgorithm, PrivateDiff
 from .phased import CertificateError, PhasedOutputPerturbation, PhasedResult
@@ -19,6 +19,7 @@ __all__ = [
     "L1",
     "BudgetExhaustedError",
     "CertificateError",
+    "ClippedSum",
     "DifferenceEstimator",
     "DivergedError",
     "DoubleSpider",

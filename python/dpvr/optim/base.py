@@ -1,8 +1,9 @@
-"""What every dpvr algorithm shares: its accountant, noise generator, budget guard, checkpoints and loop.
+"""What every dpvr algorithm shares: its accountant, noise generator, budget guard, run ledger, checkpoints
+and loop.
 
 An algorithm owns everything that decides what it releases — sampling, per-sample clipping, noise — so the
 accountant records exactly the releases that happened: each noisy release first asks the accountant whether
-it fits the budget, then runs, then is recorded.
+it fits the budget, is written into the run's ledger (:mod:`dpvr.optim.ledger`), runs, then is recorded.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch import nn
 
 from ..grads import trainable_parameters
 from ..ops import NoiseGenerator
-from ..persistence import Journal, read_checkpoint, write_checkpoint
-from ..privacy import Accountant, PrivacyReport, account, event_from_dict, event_to_dict
+from ..persistence import read_checkpoint, write_checkpoint
+from ..privacy import Accountant, PrivacyReport, account
 from ..privacy.allocation import stream_dimensions
 from ..privacy.calibration import calibrate
 from ..privacy.events import PaperSigmas, Plan
@@ -34,8 +35,10 @@ from ..privacy.mechanism import noise_dict
 from ..privacy.relations import tightest_accountant as tightest
 from ..problems import LossFn
 from .config import PrivacyConfig, RuntimeConfig, bound_fields
+from .ledger import Release, RunLedger
+from .sampling import BatchSampler
 
-STATE_FORMAT = 3
+STATE_FORMAT = 4
 
 # Constructor arguments bound otherwise: the objects fingerprinted on their own (model, loss, data) and the
 # two config groups, whose bound fields are recorded one by one (:func:`dpvr.optim.config.bound_fields`).
@@ -75,18 +78,21 @@ class PrivateAlgorithm:
       setting that shapes a release (clip radii, learning rates, ...), non-finite policy, parameter names,
       shapes and dtypes, and a SHA-256 fingerprint of the private data; a load that differs is refused
       with a message naming every entry that differs;
-    - noise cannot be reused by construction: the generator is bound to a digest of the binding, and every
-      noise key also depends on a digest of the signal that release adds noise to, so two releases share a
-      noise draw only if their signals are bit-identical (their difference is then a function of earlier
-      releases, and reveals nothing new);
-    - releases are not lost to a crash: after :meth:`save_checkpoint`, every release is journaled to disk
-      (:class:`ReleaseJournal`) before it is made, and :meth:`load_checkpoint` charges the journaled
-      releases; the steps that replay them are charged again as they run (conservatively, even when a
-      replay is bit-identical and so reveals nothing new).
+    - every release of the run is charged, whatever is resumed: each release is written into the run's
+      ledger (:class:`~dpvr.optim.ledger.RunLedger`, one per run, kept beside its first checkpoint file and
+      named in every checkpoint) before it is made, and a resume from *any* checkpoint of the run charges
+      every release the run made after that checkpoint, in any branch (a crash's last release included);
+      the steps that then re-run released steps are charged again as they run;
+    - a re-run is a new segment of the run: its noise keys and its batches are fresh (the sampling
+      randomness of the branch it repeats is not reused: the two branches are then independently sampled
+      mechanisms, which is what composing their charges assumes);
+    - noise cannot be reused by construction: the generator is bound to a digest of the binding, every key
+      also depends on the release's ledger entry (never repeated in a run) and, on the host, on a digest
+      of the signal the noise is added to.
 
-    Not protected: :meth:`load_state_dict` of an in-memory state has no journal, so releases made after
-    that state was taken are not charged; resume from checkpoint files. A state holds the noise seed: keep
-    it as confidential as the data.
+    Not protected: a state held only in memory (never written by :meth:`save_checkpoint`) and loaded into
+    another algorithm object cannot see what that object's run released after it; resume from checkpoint
+    files. A state holds the noise seed: keep it as confidential as the data.
     """
 
     name = "private-algorithm"
@@ -160,7 +166,7 @@ class PrivateAlgorithm:
         self.generator = runtime.generator if runtime.generator is not None else NoiseGenerator()
         self.steps_done = 0
         self.optimizer: torch.optim.Optimizer | None = None  # set by algorithms that step with one
-        self._journal: ReleaseJournal | None = None  # releases since the last checkpoint file
+        self.ledger = RunLedger()  # a reproducible run's is named after its settings in _bind_noise
 
     @property
     def epsilon_budget(self) -> float | None:
@@ -204,17 +210,21 @@ class PrivateAlgorithm:
         settings = self.binding(data=False)
         self._noise_context = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
         self.generator.bind(self._noise_context)
+        if self.generator.reproducible:  # a replay of a reproducible run must find the same run id
+            run = hashlib.sha256(json.dumps(self.binding(), sort_keys=True).encode())
+            run.update(self.generator.seed.to_bytes(8, "little"))
+            self.ledger = RunLedger(run.hexdigest()[:32], run.hexdigest()[32:48])
 
     # ---- privacy -------------------------------------------------------------------------------------
     def _admit(self, stream: str) -> tuple[Any, Any]:
-        """The accounting of one release of ``stream``; raises if it would exceed the budget. After a
-        checkpoint the release is journaled here, before it happens (a release that then fails is charged
-        on resume all the same: conservative)."""
+        """The accounting of one release of ``stream``; raises if it would exceed the budget. The release is
+        written into the run's ledger here, before it happens (a release that then fails is charged on
+        resume all the same: conservative)."""
         parts, event = self.plan.step(stream, self.noise)
         released = self._released.get(stream, 0) + 1
         within_plan = self._within_plan and released <= self._planned.get(stream, 0)
         if not within_plan and self.epsilon_budget is not None and self.accountant.would_exceed(
-            parts, event, self.epsilon_budget, self.delta
+            parts, event, self.epsilon_budget, self.delta, run=self.ledger.segment
         ):
             spent = self.accountant.epsilon(self.delta) if self.accountant.streams else 0.0
             raise BudgetExhaustedError(
@@ -222,10 +232,15 @@ class PrivateAlgorithm:
                 f"{self.epsilon_budget:g} at delta={self.delta:g} (spent so far: epsilon={spent:.4g} "
                 f"after {self.steps_done} steps)"
             )
-        if self._journal is not None:
-            self._journal.append(parts, event)
+        self._write_ahead(parts, event)
         self._released[stream] = released  # counted when admitted: a release that then fails still counts
         return parts, event
+
+    def _write_ahead(self, parts: Any, event: Any, *, replace: bool = False) -> Release:
+        """Writes an admitted release into the run's ledger and names its noise keys after the entry."""
+        release = self.ledger.admit(parts, event, replace=replace)
+        self.generator.for_release(self.ledger.noise_context())
+        return release
 
     def _admit_round(self, releases: Mapping[str, int]) -> None:
         """Refuses, before any of them happens, a round of releases (``{stream: count}``) that would not fit
@@ -238,7 +253,9 @@ class PrivateAlgorithm:
             return
         events = [dpa.SelfComposedDpEvent(self.plan.step(s, self.noise)[1], c) for s, c in releases.items()]
         round_event = dpa.ComposedDpEvent([e for e in events if e.count])
-        if self.accountant.would_exceed(next(iter(releases)), round_event, self.epsilon_budget, self.delta):
+        if self.accountant.would_exceed(
+            next(iter(releases)), round_event, self.epsilon_budget, self.delta, run=self.ledger.segment
+        ):
             spent = self.accountant.epsilon(self.delta) if self.accountant.streams else 0.0
             raise BudgetExhaustedError(
                 f"{self.name}: the next round ({', '.join(f'{c} x {s!r}' for s, c in releases.items())}) "
@@ -247,13 +264,13 @@ class PrivateAlgorithm:
             )
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
-        self.accountant.record(*admitted)
+        self.accountant.record(*admitted, run=self.ledger.segment)
 
     @contextlib.contextmanager
     def releasing(self, stream: str) -> Iterator[None]:
-        """One release of ``stream``: admitted (budget guard, journal) on entry, recorded in the accountant
+        """One release of ``stream``: admitted (budget guard, run ledger) on entry, recorded in the accountant
         when the block completes. A block that raises is not recorded: what it released, if anything, is
-        charged on resume from the journal."""
+        charged on resume from the ledger."""
         admitted = self._admit(stream)
         yield
         self._record(admitted)
@@ -265,12 +282,6 @@ class PrivateAlgorithm:
         """For ``shares="auto"``: the public radius or sensitivity each stream's noise multiplier is relative
         to, relative to the others' (``None``: equal). Called during construction, before calibration."""
         return None
-
-    def std(self, stream: str, unit: float) -> float:
-        """The noise std of a release of ``stream`` whose per-record unit of sensitivity is ``unit`` (its
-        clip radius, or half the replace-one range of a one-sided term): ``unit`` times the plan's noise per
-        unit."""
-        return self.plan.sigma(self.noise[stream], stream) * unit
 
     def privacy_spent(self, delta: float | None = None) -> PrivacyReport:
         """(epsilon, delta) of everything released so far, from the releases actually made; per stream its
@@ -317,7 +328,8 @@ class PrivateAlgorithm:
         del state
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: parameters, estimator buffers, noise counters, accountant.
+        """Everything needed to resume: parameters, estimator buffers, noise counters, accountant, and where
+        the run's ledger stands.
 
         It contains the noise seed: keep checkpoints as confidential as the training data.
         """
@@ -330,13 +342,20 @@ class PrivateAlgorithm:
             "buffers": {k: [t.clone() for t in v] for k, v in self._buffers().items()},
             "generator": self.generator.state_dict(),
             "accountant": self.accountant.state_dict(),
+            "ledger": self.ledger.state(),
             "extra": self._extra_state(),
             "released": dict(self._released),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a :meth:`state_dict`; validates it fully before changing anything."""
+        """Restores a :meth:`state_dict`; validates it fully before changing anything, then charges what the
+        run released after it (see the class documentation: from the run's ledger file when the run has
+        one, else from this object's own releases if it is the same run)."""
+        self._check_state(state)
+        self._resume(state, self._ledger_of(state, None))
+
+    def _check_state(self, state: Mapping[str, Any]) -> None:
         try:
             if state["format"] != STATE_FORMAT or state["algorithm"] != self.name:
                 raise ValueError(f"state: written by {state['algorithm']!r} format {state['format']}")
@@ -357,18 +376,68 @@ class PrivateAlgorithm:
                     f"state: written by a {self.name} run with other settings, and resuming it here could "
                     f"release what that run already released under other conditions; differs in {shown}"
                 )
+            ledger = state["ledger"]
+            if not isinstance(ledger, Mapping) or int(ledger["seq"]) < 0:
+                raise ValueError(f"state: corrupt ledger position {ledger!r}")
         except (KeyError, TypeError) as err:
             raise ValueError(f"state: not a {self.name} checkpoint ({err!r})") from None
+
+    def _ledger_of(self, state: Mapping[str, Any], checkpoint: str | os.PathLike | None) -> RunLedger:
+        """The ledger of the run ``state`` belongs to, as far as it can be found: its file (named in the
+        state, or beside ``checkpoint``), else this object's own ledger if it is the same run, else only
+        the state's position in it."""
+        position = state["ledger"]
+        if position.get("path") is not None or checkpoint is not None:
+            return RunLedger.of_checkpoint(position, checkpoint or position["path"])
+        ledger = RunLedger.at(position)
+        if ledger.run == self.ledger.run:
+            ledger.adopt(self.ledger)
+        return ledger
+
+    def _resume(self, state: Mapping[str, Any], ledger: RunLedger) -> None:
+        """Installs a checked state, charges the run's releases after it and, if there were any (or they
+        cannot be known), makes what follows a re-run: a new segment with fresh sampling randomness."""
+        after = ledger.releases_after(ledger.seq)  # a foreign or unreadable ledger raises: nothing changed
+        self._check_rerun(after)
+        known = ledger.path is not None or ledger.run == self.ledger.run
+        rerun = bool(after) or not (known or self.generator.reproducible)
         self._restore(state)
+        for release in after:
+            self.accountant.record(release.parts, release.event, run=release.segment, replace=release.replace)
+        if after:  # charged on top of the plan's: check every release from now on
+            self._within_plan = False
+        seed = self.generator.seed if self.generator.reproducible else None
+        ledger.resumed(rerun, seed)
+        self.ledger = ledger
+        if rerun:
+            for k, sampler in enumerate(self._samplers()):
+                derived = hashlib.sha256(f"{ledger.segment}/{k}".encode()).digest()[:8]
+                sampler.restart(None if seed is None else int.from_bytes(derived, "little"))
+
+    def _check_rerun(self, after: list[Release]) -> None:
+        """Refuses (``ValueError``) to go on from a state after which the run made the releases ``after``,
+        where a re-run cannot be accounted; called before anything changes."""
+        del after
+
+    def _samplers(self) -> list[BatchSampler]:
+        """Every batch sampler of this algorithm (attributes holding one, or a list or dict of them)."""
+        found = []
+        for value in vars(self).values():
+            items = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+            found += [s for s in (value, *items) if isinstance(s, BatchSampler)]
+        return found
 
     def _restore(self, state: Mapping[str, Any]) -> None:
-        """Installs a :meth:`state_dict`: the second half of :meth:`load_state_dict`, without its checks.
-        Called directly only by tests that replay one run's history on a neighbouring dataset."""
+        """Installs a :meth:`state_dict`: the second half of :meth:`load_state_dict`, without its checks and
+        without charging anything. Called directly only by tests that replay one run's history on a
+        neighbouring dataset."""
         try:
             generator = NoiseGenerator.from_state_dict(state["generator"])
             accountant = Accountant.from_state_dict(state["accountant"])
             steps = int(state["steps_done"])
             released = {str(k): int(v) for k, v in state["released"].items()}
+            position = state["ledger"]
+            ledger = RunLedger.at(position)
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"state: not a {self.name} checkpoint ({err!r})") from None
         with torch.no_grad():
@@ -379,6 +448,7 @@ class PrivateAlgorithm:
                     t.copy_(v)
         generator.bind(self._noise_context)
         self.generator, self.accountant, self.steps_done = generator, accountant, steps
+        self.ledger = ledger
         self._released = released
         self._load_extra_state(state["extra"])
         if self.optimizer is not None:
@@ -386,61 +456,25 @@ class PrivateAlgorithm:
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Writes :meth:`state_dict` to ``path`` atomically (:func:`dpvr.persistence.write_checkpoint`), so a
-        crash leaves the old checkpoint or the new one, never a mixture, then empties the release journal
-        (the new checkpoint's accountant holds those releases). Like the state, the file holds the noise
-        seed: it is readable by its owner only; protect it like the data.
+        crash leaves the old checkpoint or the new one, never a mixture. The run's ledger gets its file
+        beside the run's first checkpoint (``dpvr-run-<run id>.ledger``; keep it with the checkpoints: a
+        resume needs it), and every later release is written there before it is made. Like the state, the
+        file holds the noise seed: it is readable by its owner only; protect it like the data.
         """
+        self.ledger.attach(path)
         write_checkpoint(path, self.state_dict(), self.name)
-        self._journal = ReleaseJournal(path)
-        self._journal.start()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restores a :meth:`save_checkpoint` file; refuses (``ValueError``) a file that is truncated,
         altered, of another format version, of another algorithm or of a run with other settings
-        (:meth:`load_state_dict`), before changing anything.
+        (:meth:`load_state_dict`), or whose run ledger is missing or unreadable, before changing anything.
 
-        The releases the earlier run made after writing the checkpoint (its release journal, ``path`` +
-        ``".releases"``) are charged to the restored accountant: they happened, and the steps that now
-        replay them are releases too (with fresh noise unless bit-identical), charged as they run."""
+        Every release the run made after this checkpoint was written (in its ledger, whichever checkpoint
+        it went on from) is charged to the restored accountant: they happened, and the steps that now
+        re-run them are releases too, charged as they run, with fresh noise and fresh batches."""
         state = read_checkpoint(path, self.name)
-        journal = ReleaseJournal(path)
-        released = journal.read()
-        self.load_state_dict(state)
-        for parts, event in released:
-            self.accountant.record(parts, event)
-        if released:  # journaled releases are charged on top of the plan's: check every release from now on
-            self._within_plan = False
-        self._journal = journal
-
-
-class ReleaseJournal:
-    """The releases a run made since it wrote its checkpoint ``path``: one JSON line per release in
-    ``path + ".releases"``, written and flushed to disk before the release is made (a write-ahead log).
-
-    A crash after a release loses the in-memory accountant but not the journal, so a resume from the
-    checkpoint can charge what was released after it. :meth:`start` empties the journal when a new
-    checkpoint (which holds the accountant so far) has been written."""
-
-    def __init__(self, checkpoint: str | os.PathLike) -> None:
-        self._file = Journal(os.fspath(checkpoint) + ".releases")
-        self.path = self._file.path
-
-    def start(self) -> None:
-        self._file.clear()
-
-    def append(self, parts: Mapping[str, float] | str, event: Any) -> None:
-        self._file.append({"parts": parts, "event": event_to_dict(event)})
-
-    def read(self) -> list[tuple[Any, Any]]:
-        """The journaled releases; none if there is no journal. A torn last line (a crash mid-write) is a
-        release that may have happened: it is refused rather than guessed."""
-        try:
-            return [(e["parts"], event_from_dict(e["event"])) for e in self._file.entries()]
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(
-                f"release journal {self.path!r}: unreadable; the releases after the checkpoint cannot be "
-                "charged, so the run cannot resume from it"
-            ) from None
+        self._check_state(state)
+        self._resume(state, self._ledger_of(state, path))
 
 
 def _recording_arguments(init: Callable[..., None]) -> Callable[..., None]:

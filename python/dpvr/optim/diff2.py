@@ -14,7 +14,7 @@ from ..grads import trainable_parameters
 from ..privacy import events
 from .base import LossFn, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
-from .estimator import DifferenceEstimator, Iterate, Radius, global_norm, step_size
+from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, step_size
 from .gradients import ClippedGradients, check_loss
 from .sampling import BatchSampler
 
@@ -269,9 +269,12 @@ class DIFF2(PrivateAlgorithm):
                 dropped += count
                 for a, m in zip(self._total, mean):
                     a.add_(m, alpha=share)
+            # The average of P clients' means, each over at least n_min records clipped at radius: one record
+            # moves it by at most radius / (n_min P).
+            mean = ClippedSum(self._total, radius, self.plan.dataset_size * self.plan.clients, divided=True)
             self.v.release(
-                stream, self._total, reset=restart, std=self.std(stream, radius), generator=self.generator,
-                iterate=self.x, lr=self.lr,
+                stream, mean, noise_multiplier=self.noise[stream],
+                reset=restart, generator=self.generator, iterate=self.x, lr=self.lr,
             )
         return radius, dropped
 
@@ -286,8 +289,9 @@ class DIFF2(PrivateAlgorithm):
         x.move, dropped = self.x.move, 0
         # A record's privacy loss counts only its own client's local steps. Round robin serves client 1 % P
         # in rounds 1, P + 1, 2P + 1, ..., so it is always the busiest: charging its rounds (the plan's
-        # (K - 1) ceil(R/P) releases) accounts the worst-case client as the run goes.
-        charged = (r - 1) % len(self.transport.sizes) == 0
+        # (K - 1) ceil(R/P) releases) accounts the worst-case client as the run goes. Once rounds have been
+        # re-run (a resume from an older checkpoint) another client may be the busiest: every round counts.
+        charged = (r - 1) % len(self.transport.sizes) == 0 or self.ledger.branched
         for _ in range(2, self.local_steps + 1):
             radius = self.local_radius(False, x.move)
             with self.releasing("local") if charged else contextlib.nullcontext():
@@ -295,8 +299,9 @@ class DIFF2(PrivateAlgorithm):
                 mean, count = self.transport.local(r, client, batch, radius, x.previous)
                 dropped += count
                 v.release(
-                    "local", mean, reset=False, std=self.std("local", radius), generator=self.generator,
-                    iterate=x, lr=self.lr,
+                    "local", ClippedSum(mean, radius, self.plan.local_batch, divided=True),
+                    noise_multiplier=self.noise["local"], reset=False, generator=self.generator, iterate=x,
+                    lr=self.lr,
                 )
         # The next round's radius spans the whole local trajectory: ||x_{K,r-1} - x_{0,r-1}||.
         self.x.move = global_norm([p - q for p, q in zip(self.x.point(), self.x.previous)])

@@ -14,8 +14,9 @@ from ..privacy.last_iterate import CyclicDPSGDPlan
 from . import prox as proximal
 from .base import BudgetExhaustedError, LossFn, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig
-from .estimator import DifferenceEstimator, Iterate, step_size
+from .estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
 from .gradients import ClippedGradients, check_loss
+from .ledger import Release
 from .sampling import BatchSampler
 
 
@@ -163,11 +164,11 @@ class DPSGD(PrivateAlgorithm):
                 f"{self.name}: clipping=False asserted per-example gradient norms <= {self.clip:g}, but a "
                 "gradient exceeded it; the last-iterate bound used does not hold, so the run stops here"
             )
-        b = self.sampler.batch_size
         self.v.release(
-            "gradient", self._sum, reset=True, std=self.std("gradient", self.clip) / b, scale=1.0 / b,
-            generator=self.generator, iterate=self.x, lr=self.lr,
-        )
+            "gradient", ClippedSum(self._sum, self.clip, self.sampler.batch_size),
+            noise_multiplier=self.noise["gradient"], reset=True, generator=self.generator, iterate=self.x,
+            lr=self.lr,
+        )  # fmt: skip
         proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
         self.steps_done += 1
@@ -180,12 +181,13 @@ class DPSGD(PrivateAlgorithm):
     def _admit(self, stream: str) -> tuple[Any, Any]:
         if not self.last_iterate_only:
             return super()._admit(stream)
-        # The bound covers the whole run so far (the last-iterate bound, or the passes started): price the run
-        # with one more step, and let it replace what was recorded.
+        # The bound covers this trajectory so far (the last-iterate bound, or the passes started): price it
+        # with one more step, replacing what this segment recorded (an earlier branch's release, charged on
+        # resume under its own segment, stays).
         plan = dataclasses.replace(self.plan, steps=self.steps_done + 1)
         admitted = (stream, plan(self.noise).event)
-        trial = Accountant(self.accountant.accountant, plan.neighbouring)
-        trial.record(*admitted)
+        trial = Accountant.from_state_dict(self.accountant.state_dict())
+        trial.record(*admitted, run=self.ledger.segment, replace=True)
         budget = self.epsilon_budget
         if budget is not None and trial.epsilon(self.delta) > budget:
             raise BudgetExhaustedError(
@@ -193,13 +195,25 @@ class DPSGD(PrivateAlgorithm):
                 f"budget epsilon={budget:g} (spent so far: "
                 f"{self.accountant.epsilon(self.delta):.4g})"
             )
+        if self.steps_done + 1 == self.steps:  # the step that makes the release: the last iterate
+            self._write_ahead(*admitted, replace=True)
+        else:  # an unreleased iterate: nothing to write down, but its noise keys are never reused
+            self.generator.for_release(self.ledger.noise_context() + f"/step {self.steps_done + 1}".encode())
         return admitted
+
+    def _check_rerun(self, after: list[Release]) -> None:
+        if self.last_iterate_only and after and self.plan.bound != "composition":
+            raise ValueError(
+                f"{self.name}: this run released its last iterate after the checkpoint being loaded; going "
+                "on from it would release a second trajectory sharing the first one's start, which the "
+                f"last-iterate bound (bound={self.plan.bound!r}) does not cover. Resume from a later "
+                "checkpoint, or account the run with bound='composition' (valid for every iterate)"
+            )
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
         if not self.last_iterate_only:
             return super()._record(admitted)
-        # Only the last iterate is released, at the end: a crashed run released nothing to journal.
-        self.accountant.record(*admitted, replace=True)
+        self.accountant.record(*admitted, run=self.ledger.segment, replace=True)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}

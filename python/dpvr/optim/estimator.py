@@ -133,14 +133,100 @@ class Radius:
         return radius if self.cap is None else min(radius, self.cap)
 
 
+@dataclass(frozen=True)
+class ClippedSum:
+    """A sum of per-record terms that carries its own sensitivity: what a release adds noise to.
+
+    ``tensors`` hold ``sum_i t_i`` over the records of a batch, every term clipped so that adding or removing
+    one record moves the sum by at most ``bound`` in L2 (its clip radius; for a one-sided scalar term, half
+    its replace-one range, :meth:`one_sided`). The release divides the sum by ``count``, a public number
+    (the batch size, or the ``n P`` records a federated mean is over); ``divided=True`` says the tensors
+    already hold ``sum / count`` (clients' means). One record therefore moves the released mean by at most
+    :attr:`sensitivity` ``= bound / count``, and a noise multiplier ``z`` (the accountant's convention: std
+    over that add/remove sensitivity) means the std ``z * sensitivity`` on the released mean.
+
+    The bound travels with the tensors it bounds, from the clipping to the noise, so no call site works out a
+    unit or divides a std by a batch size (where a sensitivity bug would hide).
+    """
+
+    tensors: Sequence[Tensor]
+    bound: float
+    count: float = 1.0
+    divided: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.bound >= 0 and math.isfinite(self.bound)):
+            raise ValueError(f"bound: must be finite and >= 0, got {self.bound}")
+        if not (self.count > 0 and math.isfinite(self.count)):
+            raise ValueError(f"count: must be finite and > 0, got {self.count}")
+
+    @classmethod
+    def replace_one(cls, tensors: Sequence[Tensor], sensitivity: float, count: float = 1.0) -> ClippedSum:
+        """A sum that replacing one record moves by at most ``sensitivity`` (e.g. scalar terms confined to
+        ``[low, high]``: ``high - low``; an output-perturbed solution: its worst-case sensitivity). The
+        replace-one accountant charges twice dpvr's unit, so the unit is half of it. For replace-one plans
+        only: under add/remove such a sum has no bound of this form."""
+        return cls(tensors, sensitivity / 2.0, count)
+
+    @property
+    def scale(self) -> float:
+        """The factor the release applies to ``tensors``."""
+        return 1.0 if self.divided else 1.0 / self.count
+
+    @property
+    def sensitivity(self) -> float:
+        """How far one record moves the released mean (add/remove; replace-one: twice this)."""
+        return self.bound / self.count
+
+    def std(self, noise_multiplier: float) -> float:
+        """The noise std a release of this sum takes at ``noise_multiplier``."""
+        if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier: must be finite and > 0, got {noise_multiplier}")
+        return noise_multiplier * self.sensitivity
+
+
+def release(
+    value: Sequence[Tensor],
+    stream: str,
+    clipped: ClippedSum,
+    *,
+    noise_multiplier: float,
+    reset: bool,
+    generator: ops.NoiseGenerator,
+    params: Sequence[Tensor] | None = None,
+    params_prev: Sequence[Tensor] | None = None,
+    lr: float = 0.0,
+) -> float | None:
+    """``value <- (0 if reset else value) + clipped.scale * clipped + N(0, (z * clipped.sensitivity)^2 I)``,
+    then optionally ``params <- params - lr * value``, in one fused pass (:func:`dpvr.ops.noisy_update`).
+
+    The one place a release's noise std is formed: from the noise multiplier the accountant prices and the
+    sensitivity the clipped sum carries. Returns the parameters' move (see ``noisy_update``)."""
+    if isinstance(value, Tensor):
+        raise TypeError("value: a list of tensors (a bare tensor would be read as a list of its rows)")
+    return ops.noisy_update(
+        list(value),
+        sum=list(clipped.tensors),
+        scale=clipped.scale,
+        sigma=clipped.std(noise_multiplier),
+        reset=reset,
+        generator=generator,
+        stream=stream,
+        params=params,
+        params_prev=params_prev,
+        lr=lr,
+    )
+
+
 class DifferenceEstimator:
     """The estimator ``v`` (tensors shaped like ``like``) and its releases.
 
-    :meth:`release`: ``v <- (0 if reset else v) + scale * total + N(0, std^2 I)``, with the noise drawn
-    from ``generator``'s stream ``stream``; given ``iterate`` and ``lr``, the step ``x <- x - lr v`` is fused
-    into the same pass and the iterate's previous point and move are updated (an iterate with an optimizer
-    steps after the release instead, on the gradient ``v``). The caller admits and records
-    the release with its accountant (:meth:`PrivateAlgorithm.releasing`) around this call.
+    :meth:`release`: ``v <- (0 if reset else v) + clipped / count + N(0, (z * sensitivity)^2 I)`` (see
+    :class:`ClippedSum`), with the noise drawn from ``generator``'s stream ``stream``; given ``iterate`` and
+    ``lr``, the step ``x <- x - lr v`` is fused into the same pass and the iterate's previous point and move
+    are updated (an iterate with an optimizer steps after the release instead, on the gradient ``v``). The
+    caller admits and records the release with its accountant (:meth:`PrivateAlgorithm.releasing`) around
+    this call.
     """
 
     def __init__(self, like: Sequence[Tensor]) -> None:
@@ -149,24 +235,22 @@ class DifferenceEstimator:
     def release(
         self,
         stream: str,
-        total: Sequence[Tensor],
+        clipped: ClippedSum,
         *,
+        noise_multiplier: float,
         reset: bool,
-        std: float,
         generator: ops.NoiseGenerator,
-        scale: float = 1.0,
         iterate: Iterate | None = None,
         lr: float | None = None,
     ) -> None:
         step = iterate is not None and iterate.optimizer is None  # fused: the SGD step in the same pass
-        move = ops.noisy_update(
+        move = release(
             self.value,
-            sum=list(total),
-            scale=scale,
-            sigma=std,
+            stream,
+            clipped,
+            noise_multiplier=noise_multiplier,
             reset=reset,
             generator=generator,
-            stream=stream,
             params=iterate.flat if step else None,
             params_prev=iterate.previous_flat if step else None,
             lr=lr if step else 0.0,

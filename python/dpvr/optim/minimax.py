@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,14 +25,146 @@ from torch import Tensor, nn
 from .. import ops
 from ..privacy import events
 from ..problems import MinimaxProblem
+from ..problems.minimax import YSensitivity
 from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
-from .estimator import DifferenceEstimator, Iterate, Radius, step_size
+from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
 from .gradients import ClippedGradients, check_loss
 from .sampling import BatchSampler
 
 Y_RELEASES = ("ascent", "output")  # how PrivateDiff makes y private
 _OUTPUT_CHUNK = 4096  # records per forward pass when the inner problem reads every record's output
+_UNIT = torch.finfo(torch.float64).eps / 2  # u: float64's unit roundoff
+_RECORD_ROUNDING = 32  # assumed: one record's float64 y-gradient is within this many u * y_lipschitz
+_FLOOR = 4  # the default y_tolerance is at least this many rounding allowances (and y's own rounding)
+
+
+def _pairwise_sum(rows: Tensor) -> Tensor:
+    """The sum of the rows of ``rows`` (``(n, d)``) by a balanced tree of elementwise additions, each row
+    passing through at most ``ceil(log2 n)`` of them: the float error is at most ``gamma_ceil(log2 n) sum_i
+    ||row_i||`` (``gamma_k = k u / (1 - k u)``), whatever order a library reduction would have used."""
+    while len(rows) > 1:
+        half = len(rows) // 2
+        head = rows[:half] + rows[half : 2 * half]
+        rows = torch.cat([head, rows[2 * half :]]) if len(rows) % 2 else head
+    return rows[0]
+
+
+@dataclass(frozen=True)
+class YRounding:
+    """The rounding allowance of PrivateDiff's float64 inner solve (``y_release="output"``), from public
+    quantities only: the number of records ``n``, the problem's ``mu`` (``strong_concavity``),
+    ``y_lipschitz`` (``L_y``, a bound on every record's ``||grad_y f||`` on ``Y``) and ``y_dim``, the
+    solver's step, a bound ``radius`` on ``||y||`` over ``Y`` (``||initial_y|| + diameter``) and ``y``'s
+    dtype.
+
+    - :attr:`gradient_error` ``E``: the computed ``grad F(y)`` at any float64 ``y`` in ``Y`` is within
+      ``E`` of the exact one. Each record's gradient is within ``32 u L_y`` (the assumption on the problem's
+      ``y_grads``: a few float64 operations on terms bounded by ``L_y``, as for every problem in dpvr that
+      states ``y_sensitivity``), the rows are summed by :func:`_pairwise_sum` (error ``gamma_h sum_i
+      ||g_i||``, ``h = ceil(log2 n)``) and divided by ``n`` (``u`` relative): ``E = 32 u L_y + (gamma_h +
+      u (1 + gamma_h)) L_y (1 + 32 u)``. It grows as ``log2 n``, not ``n``.
+    - :attr:`step_error`: ``||fl(y + step fl(g)) - (y + step g)|| / step <= u (radius / step + (2 + u)
+      (L_y + E))``.
+    - :attr:`allowance` ``A = (E + step_error) / mu`` (a hair more, for its own float evaluation): what the
+      certificate adds to its measured terms.
+    - :attr:`dtype_rounding`: a bound on ``||y_hat - y+||`` when ``y+`` is rounded to ``y``'s dtype (0 in
+      float64).
+    - :attr:`minimum_tolerance` ``4 A + dtype_rounding``: the smallest ``y_tolerance`` accepted; it leaves
+      the measured terms, which float64 gradients cannot drive below about ``2 E / mu``, room to certify.
+    """
+
+    records: int
+    strong_concavity: float
+    y_lipschitz: float
+    y_dim: int
+    step: float
+    radius: float
+    dtype: torch.dtype
+
+    @classmethod
+    def of(
+        cls, problem: MinimaxProblem, constants: YSensitivity, records: int, step: float, dtype: torch.dtype
+    ) -> YRounding:
+        """The allowance of ``problem``'s inner solve (its sensitivity ``constants``) over ``records``
+        records with step ``step``, ``y`` in ``dtype``."""
+        if not (step > 0 and math.isfinite(step)):
+            raise ValueError(f"lr_y: must be finite and > 0, got {step}")
+        lipschitz = float(getattr(problem, "y_lipschitz", math.nan))
+        if not (lipschitz > 0 and math.isfinite(lipschitz)):
+            raise ValueError(
+                f"{type(problem).__name__}.y_lipschitz: must be finite and > 0 (it bounds the rounding of "
+                f"the inner solve), got {lipschitz}"
+            )
+        radius = float(problem.initial_y(torch.float64).norm()) + float(problem.diameter)
+        if not math.isfinite(radius):
+            raise ValueError(f"{type(problem).__name__}.diameter: must be finite, got {problem.diameter}")
+        mu = float(constants.strong_concavity)
+        return cls(int(records), mu, lipschitz, int(problem.y_dim), float(step), radius, dtype)
+
+    @property
+    def depth(self) -> int:
+        """``ceil(log2 n)``: the additions any one record's gradient passes through in the sum."""
+        return (self.records - 1).bit_length()
+
+    @property
+    def record_bound(self) -> float:
+        """A bound on a computed record gradient's computed norm when the problem's ``L_y`` holds."""
+        return self.y_lipschitz * (1 + _RECORD_ROUNDING * _UNIT) * (1 + 2 * (self.y_dim + 2) * _UNIT)
+
+    @property
+    def gradient_error(self) -> float:
+        u, h = _UNIT, self.depth
+        gamma = h * u / (1 - h * u)
+        per_record = _RECORD_ROUNDING * u
+        return self.y_lipschitz * (per_record + (gamma + u * (1 + gamma)) * (1 + per_record))
+
+    @property
+    def step_error(self) -> float:
+        u = _UNIT
+        return u * (self.radius / self.step + (2 + u) * (self.y_lipschitz + self.gradient_error))
+
+    @property
+    def allowance(self) -> float:
+        return (self.gradient_error + self.step_error) / self.strong_concavity * (1 + 64 * _UNIT)
+
+    @property
+    def dtype_rounding(self) -> float:
+        if self.dtype == torch.float64:
+            return 0.0
+        info = torch.finfo(self.dtype)  # round to nearest: u_dtype relative, half a subnormal step absolute
+        return (info.eps / 2 * self.radius + math.sqrt(self.y_dim) * info.tiny * info.eps) * (1 + 8 * _UNIT)
+
+    @property
+    def minimum_tolerance(self) -> float:
+        return _FLOOR * self.allowance + self.dtype_rounding
+
+    def default_tolerance(self, stability: float) -> float:
+        """``max(stability / 100, minimum_tolerance)``: 1% of the exact maximiser's sensitivity while the
+        rounding allows it (to about ``1e11`` records for AUC-M in float64), the floor beyond."""
+        return max(0.01 * stability, self.minimum_tolerance)
+
+    def refusal(self, tolerance: float) -> str:
+        """Why ``tolerance`` cannot be certified, naming the knob that fixes it and the numbers."""
+        cast = ""
+        if self.dtype_rounding:
+            dtype = str(self.dtype).removeprefix("torch.")
+            cast = f", and rounding y to {dtype} may move it by {self.dtype_rounding:.3g} (a float64 model "
+            cast += "avoids that)"
+        return (
+            f"y_tolerance={tolerance:g} is below {self.minimum_tolerance:.3g}, the smallest tolerance the "
+            f"inner solve can certify over n={self.records} records: its float64 rounding allowance is "
+            f"{self.allowance:.3g} (it grows as log2(n), y_lipschitz/strong_concavity={self.y_lipschitz:g}/"
+            f"{self.strong_concavity:g} and 1/lr_y; y_tolerance must be at least {_FLOOR} times it)"
+            f"{cast}. "
+            f"Raise y_tolerance to at least {self.minimum_tolerance:.3g}, or leave it None for the default "
+            "(1% of gradient_range / (n mu), or that minimum where it is larger); more y_steps cannot help"
+        )
+
+    @property
+    def slack(self) -> float:
+        """The factor on the measured terms for the rounding of their own differences, norms and sums."""
+        return 1 + 2 * (self.y_dim + 8) * _UNIT
 
 
 class _Point(nn.Module):
@@ -141,17 +274,11 @@ class MinimaxAlgorithm(PrivateAlgorithm):
 
     def _y_step(self, stream: str, batch_size: int) -> None:
         """``y <- Proj_Y(y + lr_y (y_sum / b + N(0, (sigma_y C0)^2 I)))``: a noisy clipped ascent step."""
-        ops.noisy_update(
-            self._y_v,
-            sum=[self._y_sum],
-            scale=1.0 / batch_size,
-            sigma=self.std(stream, self.clip_y),
-            reset=True,
-            generator=self.generator,
-            stream=stream,
-            params=[self.y],
+        release(
+            [self._y_v], stream, ClippedSum([self._y_sum], self.clip_y, batch_size),
+            noise_multiplier=self.noise[stream], reset=True, generator=self.generator, params=[self.y],
             lr=-self.lr_y,  # ascent
-        )
+        )  # fmt: skip
         self.y.copy_(self.problem.project(self.y))
 
     def _draw(self) -> Tensor:
@@ -240,7 +367,7 @@ class DPSGDA(MinimaxAlgorithm):
             b = self.sampler.batch_size
             dropped = self._x_sum(batch, self.clip["x"]) + self._y_gradient(batch)  # both at (x_t, y_t)
             self.v.release(
-                "x", self._sum, reset=True, std=self.std("x", self.clip["x"]), scale=1.0 / b,
+                "x", ClippedSum(self._sum, self.clip["x"], b), noise_multiplier=self.noise["x"], reset=True,
                 generator=self.generator, iterate=self.x, lr=self.lr,
             )
             self._y_step("y", b)
@@ -281,24 +408,45 @@ class PrivateDiff(MinimaxAlgorithm):
     iterate, and record ``i``'s model output at ``x_r`` depends on record ``i`` alone, so replacing it
     changes one term of ``F``. The exact maximisers then satisfy ``||y*(D) - y*(D')|| <= gradient_range / (n
     mu)`` (:class:`~dpvr.problems.minimax.YSensitivity`). The solver returns a ``y_hat`` with ``||y_hat -
-    y*|| <= tau`` on each dataset, so ``||y_hat(D) - y_hat(D')|| <= Delta``, and the release is the Gaussian
-    mechanism with that sensitivity; the projection is post-processing. Every model output is read through
-    the problem's :meth:`~dpvr.problems.MinimaxProblem.bounded_outputs`, which maps a non-finite output to a
-    public admissible value, so a record with a non-finite score is still an admissible record and the bound
-    holds on every pair (``nonfinite="raise"`` raises instead). No clipping is used, so ``F`` keeps the
-    problem's strong concavity.
+    y*|| <= tau`` on each dataset (its certificate, rounding included, below), so ``||y_hat(D) -
+    y_hat(D')|| <= Delta``, and the release is the Gaussian mechanism with that sensitivity; the projection
+    is post-processing. Every model output is read through the problem's
+    :meth:`~dpvr.problems.MinimaxProblem.bounded_outputs`, which maps a non-finite output to a public
+    admissible value, so a record with a non-finite score is still an admissible record and the bound holds
+    on every pair (``nonfinite="raise"`` raises instead). No clipping is used, so ``F`` keeps the problem's
+    strong concavity.
 
-    **The certificate.** Projected gradient ascent from the public ``y_r`` with step ``lr_y`` (default
-    ``1/L``, the problem's smoothness), for at most ``y_steps`` iterations. After the step ``y+ = Proj_Y(y +
-    lr_y grad F(y))``, with ``G = (y+ - y) / lr_y``: the projection's optimality gives ``<grad F(y) - G, u -
-    y+> <= 0`` for all ``u`` in ``Y``, and strong concavity with ``y*``'s optimality gives ``mu ||y+ - y*||^2
-    <= <grad F(y+), y* - y+>``; together ``||y+ - y*|| <= (||G|| + ||grad F(y+) - grad F(y)||) / mu`` for any
-    step size. The solver stops at the first ``y+`` whose bound, plus a float64 rounding allowance and the
-    rounding of ``y+`` to ``y``'s dtype, is at most ``tau``; it raises ``RuntimeError`` if none of its
-    ``y_steps`` iterations gets there (the round's y-release is then charged all the same, and the failure
-    itself depends on the data: choose ``y_steps`` with a margin; a quadratic ``F`` such as AUC-M's is
-    certified at the second iteration with the default step). ``tau`` is public (default 1% of
-    ``gradient_range / (n mu)``); the certificate's value is not released.
+    **The certificate.** Projected gradient ascent in float64 from the public ``y_r`` with step ``lr_y``
+    (default ``1/L``, the problem's smoothness), for at most ``y_steps`` iterations. In exact arithmetic,
+    after the step ``y+ = Proj_Y(y + lr_y g)`` along any direction ``g``, with ``G = (y+ - y) / lr_y``: the
+    projection's optimality gives ``<g - G, v - y+> <= 0`` for all ``v`` in ``Y``, and strong concavity with
+    ``y*``'s optimality gives ``mu ||y+ - y*||^2 <= <grad F(y+), y* - y+>``; together ``||y+ - y*|| <= (||G||
+    + ||grad F(y+) - g||) / mu`` for any step size and any ``g``.
+
+    **Rounding.** In floating point ``g`` and ``g+`` are the computed gradients at ``y`` and ``y+``, and
+    ``y+`` is the projection (assumed exact, as a clamp to a box is) of the rounded ``w = fl(y + lr_y g)``,
+    so it is the exact step along ``g' = (w - y) / lr_y``; the bound above with ``g'`` for ``g`` gives
+    ``||y+ - y*|| <= (||G|| + ||g+ - g|| + ||g+ - grad F(y+)|| + ||g' - g||) / mu``. The last two terms are
+    bounded by the public allowance ``A`` of :class:`YRounding` (``y_rounding``): each record's gradient is
+    within ``32 u L_y`` (``u`` float64's unit roundoff, ``L_y`` the problem's ``y_lipschitz``; assumed of
+    the problem's ``y_grads``, and a computed gradient longer than ``L_y`` raises), the ``n`` records are
+    summed by a balanced tree (error ``~ log2(n) u L_y``), and ``w``'s two roundings cost ``u (||y|| / lr_y
+    + 2 ||g||)``. ``A`` depends on ``n`` only through ``log2 n``. The solver stops at the first ``y+`` with
+    ``s ((||G|| + ||g+ - g||) / mu + ||y_hat - y+||) + A <= tau``, ``y_hat`` being ``y+`` in ``y``'s dtype
+    and ``s = 1 + 2 (y_dim + 8) u`` covering the rounding of those measured norms: then ``||y_hat - y*|| <=
+    tau``, which is all that the sensitivity proof above uses, so the rounding enters the proof only through
+    the certificate, never through ``Delta``'s form.
+
+    **The tolerance.** ``tau`` is public: by default ``max(1% of gradient_range / (n mu), 4 A + r)``, ``r``
+    a public bound on rounding ``y`` to its dtype (0 in float64; ``~1e-7 ||y||`` in float32), so the
+    allowance is below ``tau`` by construction at every ``n``. For AUC-M in float64 the 1% rule holds to
+    about ``1e11`` records; a float32 ``y`` reaches its floor (``~1e-7``) from a few hundred thousand
+    records (a float64 model avoids that). A ``y_tolerance`` below ``4 A + r`` is refused at construction,
+    naming ``y_tolerance`` with the numbers: more iterations cannot certify it. Otherwise the solver raises
+    ``RuntimeError`` naming ``y_steps`` if none of its iterations certifies (the round's y-release is then
+    charged all the same, and the failure itself depends on the data: choose ``y_steps`` with a margin; a
+    quadratic ``F`` such as AUC-M's is certified at the second iteration with the default step). The
+    certificate's value is not released.
 
     **Privacy of x.** ``C_r`` depends on released iterates only and the noise std scales with it, so each
     x-round is a sampled Gaussian release of fixed noise multiplier (Lemma 8: sensitivity ``2C/m``). All
@@ -357,14 +505,22 @@ class PrivateDiff(MinimaxAlgorithm):
         if output:
             self.y_constants = problem.y_sensitivity()  # refuses a problem without public constants
             stability = self.y_constants.stability(n)
-            tolerance = 0.01 * stability if y_tolerance is None else float(y_tolerance)
-            if not (tolerance > 0 and math.isfinite(tolerance)):
-                raise ValueError(f"y_tolerance: must be finite and > 0, got {y_tolerance}")
+            lr_y = 1.0 / self.y_constants.smoothness if lr_y is None else lr_y
+            # y is kept in the dtype of the model's (first trainable) parameters
+            dtype = next((p.dtype for p in model.parameters() if p.requires_grad), torch.float64)
+            self.y_rounding = YRounding.of(problem, self.y_constants, n, lr_y, dtype)
+            if y_tolerance is None:  # allowance < tolerance by construction, at any n
+                tolerance = self.y_rounding.default_tolerance(stability)
+            else:
+                tolerance = float(y_tolerance)
+                if not (tolerance > 0 and math.isfinite(tolerance)):
+                    raise ValueError(f"y_tolerance: must be finite and > 0, got {y_tolerance}")
+                if tolerance < self.y_rounding.minimum_tolerance:  # public: refused before any data is read
+                    raise ValueError(self.y_rounding.refusal(tolerance))
             self.y_tolerance = tolerance
             self.y_sensitivity = stability + 2 * tolerance  # Delta: the release's replace-one sensitivity
-            lr_y = 1.0 / self.y_constants.smoothness if lr_y is None else lr_y
         else:
-            self.y_constants = self.y_tolerance = self.y_sensitivity = None
+            self.y_constants = self.y_tolerance = self.y_sensitivity = self.y_rounding = None
             if y_tolerance is not None:
                 raise ValueError("y_tolerance: only y_release='output' solves the inner problem")
             if lr_y is None:
@@ -437,8 +593,8 @@ class PrivateDiff(MinimaxAlgorithm):
                     [*self._sum, self._y_scratch],
                 )
             self.v.release(
-                stream, self._sum, reset=checkpoint, std=self.std(stream, radius), scale=1.0 / m,
-                generator=self.generator, iterate=self.x, lr=self.lr,
+                stream, ClippedSum(self._sum, radius, m), noise_multiplier=self.noise[stream],
+                reset=checkpoint, generator=self.generator, iterate=self.x, lr=self.lr,
             )
         self.steps_done = r
         return {
@@ -455,9 +611,9 @@ class PrivateDiff(MinimaxAlgorithm):
         """``y <- Proj_Y(y_hat + N(0, (sigma_y Delta)^2 I))``; returns the records with non-finite outputs."""
         y_hat, dropped = self._solve_y()
         self._y_sum.copy_(y_hat)
-        ops.noisy_update(
-            self._y_v, sum=[self._y_sum], scale=1.0, sigma=self.std("y", self.y_sensitivity), reset=True,
-            generator=self.generator, stream="y",
+        release(
+            [self._y_v], "y", ClippedSum.replace_one([self._y_sum], self.y_sensitivity),
+            noise_multiplier=self.noise["y"], reset=True, generator=self.generator,
         )  # fmt: skip
         self.y.copy_(self.problem.project(self._y_v))
         return dropped
@@ -472,40 +628,47 @@ class PrivateDiff(MinimaxAlgorithm):
             raise ops.NonFiniteError(f"{self.name}: {dropped} records have non-finite model outputs")
         return self.problem.bounded_outputs(outputs), dropped
 
-    def _mean_y_grad(self, outputs: Tensor, y: Tensor) -> tuple[Tensor, float]:
-        """``grad F(y)`` over every record, and the mean per-record gradient norm (for the rounding
-        allowance)."""
+    def _mean_y_grad(self, outputs: Tensor, y: Tensor) -> Tensor:
+        """``grad F(y)`` over every record, summed by :func:`_pairwise_sum` (within
+        :attr:`YRounding.gradient_error` of the exact value when the problem's constants hold)."""
         grads = self.problem.y_grads(outputs, self.targets, y)
         if not bool(torch.isfinite(grads).all()):
             raise RuntimeError(
                 f"{type(self.problem).__name__}.bounded_outputs leaves non-finite y-gradients: its "
                 "y_sensitivity constants cannot hold"
             )
-        return grads.mean(dim=0), float(grads.norm(dim=1).mean())
+        if float(grads.norm(dim=1).max()) > self.y_rounding.record_bound:  # a diagnostic, not a release
+            raise RuntimeError(
+                f"{type(self.problem).__name__}.y_grads gives a record a y-gradient longer than its "
+                f"y_lipschitz={self.y_rounding.y_lipschitz:g}: the constants that bound the inner solve's "
+                "rounding do not hold"
+            )
+        return _pairwise_sum(grads) / len(grads)
 
     def _solve_y(self) -> tuple[Tensor, int]:
         """``y_hat`` within ``y_tolerance`` of ``argmax_Y F`` at the current ``x``, certified (see the class
         documentation), in ``y``'s dtype; and the number of records with non-finite outputs. Unnoised: a
         value of the private data, never to be released as it is."""
         outputs, dropped = self._outputs()
-        n, eps = len(outputs), torch.finfo(torch.float64).eps
+        rounding = self.y_rounding  # public: depends on n, the problem's constants, lr_y and y's dtype
         mu, step = self.y_constants.strong_concavity, self.lr_y
         y = self.y.double()  # the warm start y_r is public
-        g, size = self._mean_y_grad(outputs, y)
+        g = self._mean_y_grad(outputs, y)
         for _ in range(self.y_steps):
             y_next = self.problem.project(y + step * g)
-            g_next, size_next = self._mean_y_grad(outputs, y_next)
-            # Rounding allowance: the two float64 means of n terms (summation error <= n eps sum |term|), the
-            # step's add and its projection.
-            rounding = 2 * eps * (n * (size + size_next) + float(y_next.norm()) / step + float(g.norm()))
-            bound = (float((y_next - y).norm()) / step + float((g_next - g).norm()) + rounding) / mu
+            g_next = self._mean_y_grad(outputs, y_next)
             y_hat = y_next.to(self.y.dtype)
-            if bound + float((y_hat.double() - y_next).norm()) <= self.y_tolerance:
+            measured = (float((y_next - y).norm()) / step + float((g_next - g).norm())) / mu + float(
+                (y_hat.double() - y_next).norm()
+            )
+            if rounding.slack * measured + rounding.allowance <= self.y_tolerance:
                 return y_hat, dropped
-            y, g, size = y_next, g_next, size_next
+            y, g = y_next, g_next
         raise RuntimeError(
             f"{self.name}: the inner problem was not solved to y_tolerance={self.y_tolerance:g} in "
-            f"y_steps={self.y_steps} iterations; raise y_steps or y_tolerance"
+            f"y_steps={self.y_steps} iterations of lr_y={step:g}: raise y_steps (the solve's rounding "
+            f"allowance over n={rounding.records} records, {rounding.allowance:.3g}, is at most "
+            f"1/{_FLOOR} of y_tolerance, which leaves the iterations room to certify)"
         )
 
     def _buffers(self) -> dict[str, list[Tensor]]:

@@ -6,6 +6,7 @@ draw their seed from the operating system unless the caller fixes it for reprodu
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -15,6 +16,32 @@ from ..privacy.events import Plan
 from ..privacy.mechanism import Sampling
 
 SCHEMES = ("poisson", "wor", "full", "cyclic", "random-allocation")
+
+
+def steps_per_epoch(scheme: str, n: int, batch_size: float | None = None) -> int:
+    """The steps of one epoch of :class:`BatchSampler` ``(scheme, n, batch_size)``: the one definition of an
+    epoch that callers converting ``epochs`` to steps use, so that what they ask for is what is charged.
+
+    ``"full"``: 1; ``"cyclic"``: ``n / batch_size`` (one pass; it must divide ``n``);
+    ``"random-allocation"``: ``t = max(1, round(n / batch_size))``, the epoch in which the sampler allocates
+    every record to one step and the plan prices (a step beyond it starts, and is charged as, a new epoch);
+    ``"poisson"`` and ``"wor"``: ``ceil(n / batch_size)`` steps, which draw ``n`` records in expectation or
+    more (they have no epochs of their own and are charged per step)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"sampling: must be one of {SCHEMES}, got {scheme!r}")
+    if n < 1:
+        raise ValueError(f"dataset size must be >= 1, got {n}")
+    if scheme == "full":
+        return 1
+    if batch_size is None or not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size: must be in [1, {n}], got {batch_size}")
+    if scheme == "cyclic":
+        if n % batch_size:
+            raise ValueError(f"batch_size: cyclic traversal needs it to divide the dataset size {n}")
+        return int(n // batch_size)
+    if scheme == "random-allocation":
+        return max(1, round(n / batch_size))
+    return math.ceil(n / batch_size)
 
 
 class BatchSampler:
@@ -36,11 +63,9 @@ class BatchSampler:
             raise ValueError(f"dataset size must be >= 1, got {n}")
         if scheme == "full":
             batch_size = n
-        if batch_size is None or not 1 <= batch_size <= n:
-            raise ValueError(f"batch_size: must be in [1, {n}], got {batch_size}")
-        if scheme == "cyclic" and n % batch_size:
-            raise ValueError(f"batch_size: cyclic traversal needs it to divide the dataset size {n}")
-        self.steps_per_epoch = max(1, round(n / batch_size)) if scheme == "random-allocation" else None
+        epoch = steps_per_epoch(scheme, n, batch_size)  # also checks batch_size
+        # Random allocation's epoch shapes the draws (and the accounting); the other schemes have none.
+        self.steps_per_epoch = epoch if scheme == "random-allocation" else None
         if self.steps_per_epoch is not None:
             batch_size = round(n / self.steps_per_epoch)
         self.scheme, self.n, self.batch_size = scheme, n, batch_size
@@ -110,6 +135,17 @@ class BatchSampler:
         start = self._position
         self._position = (start + self.batch_size) % self.n
         return np.arange(start, start + self.batch_size)
+
+    def restart(self, seed: int | None = None) -> None:
+        """Fresh sampling randomness from here on (``seed``, or the operating system's), for a re-run: its
+        batches must be independent of those a discarded branch drew from the same state. Random allocation
+        starts a new epoch here, so that every epoch is one allocation of every record (a re-run that
+        continued the discarded branch's epoch could use a record twice in it)."""
+        self._rng = np.random.default_rng(
+            seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+        )
+        if self.scheme == "random-allocation":
+            self._position, self._allocation = 0, None
 
     def state_dict(self) -> dict[str, Any]:
         allocation = None if self._allocation is None else self._allocation.tolist()

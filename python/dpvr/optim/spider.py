@@ -35,7 +35,7 @@ from ..problems import (
 )
 from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
-from .estimator import DifferenceEstimator, Iterate, Radius, global_norm
+from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, release
 from .gradients import ClippedGradients, check_loss, finite_records
 from .sampling import BatchSampler
 
@@ -121,17 +121,19 @@ class _Spider(PrivateAlgorithm):
         return int(ops.clip_accumulate([values.reshape(-1, 1).to(out.dtype)], radius, [out],
                                        nonfinite=self.nonfinite))
 
-    def _release(self, stream: str, estimator: DifferenceEstimator, total: Sequence[Tensor], unit: float,
-                 reset: bool) -> None:
-        """``v <- (0 if reset else v) + total / b + N(0, (z unit / b)^2 I)``.
+    def _clipped(self, stream: str, total: Sequence[Tensor], radius: float) -> ClippedSum:
+        """``total``, a sum over ``stream``'s batch of terms clipped into a ball of ``radius``."""
+        return ClippedSum(total, radius, self.samplers[stream].batch_size)
 
-        ``unit`` is half the replace-one range of one record's term (dpvr's unit, see
-        :mod:`dpvr.privacy.relations`): the radius for terms clipped into a ball of that radius, less for
-        one-sided scalars. These plans' noise multiplier is the std on the batch *sum* per unit."""
-        b = self.samplers[stream].batch_size
+    def _clipped_range(self, stream: str, total: Sequence[Tensor], low: float, high: float) -> ClippedSum:
+        """``total``, a sum over ``stream``'s batch of scalar terms confined to ``[low, high]``: a replace-one
+        range, less than a ball's ``2 high`` when the terms are one-sided."""
+        return ClippedSum.replace_one(total, high - low, self.samplers[stream].batch_size)
+
+    def _release(self, stream: str, estimator: DifferenceEstimator, clipped: ClippedSum, reset: bool) -> None:
+        """``v <- (0 if reset else v) + clipped / b + noise`` at the stream's noise multiplier."""
         estimator.release(
-            stream, total, reset=reset, std=self.std(stream, unit) / b, scale=1.0 / b,
-            generator=self.generator,
+            stream, clipped, noise_multiplier=self.noise[stream], reset=reset, generator=self.generator
         )
 
     def _buffers(self) -> dict[str, list[Tensor]]:
@@ -258,8 +260,12 @@ class DoubleSpider(_Spider):
                 values = values - dual_eta_grads(div, self._losses(x_prev, batch), eta_prev, lam)
             dropped = self._scalar_sum(values, radius, self._g_sum)
             # grad_eta = 1 - (psi*)' <= 1, as (psi*)' >= 0: a refresh term lies in [-C1, min(1, C1)]
-            unit = (radius + min(1.0, radius)) / 2 if refresh else radius
-            self._release(stream, self.g, [self._g_sum], unit, refresh)
+            clipped = (
+                self._clipped_range(stream, [self._g_sum], -radius, min(1.0, radius))
+                if refresh
+                else self._clipped(stream, [self._g_sum], radius)
+            )
+            self._release(stream, self.g, clipped, refresh)
         # 2. eta_{t+1} = eta_t - lr_eta g
         self._eta_prev.copy_(self.eta)
         self.eta.sub_(self.g.value[0], alpha=self.lr_eta)
@@ -275,7 +281,7 @@ class DoubleSpider(_Spider):
             else:
                 before = dual_weights(div, self._losses(x_prev, batch), eta, lam)
                 dropped += self._vector_sum(batch, radius, weights, x_prev, before)
-            self._release(stream, self.v, self._sum, radius, refresh)
+            self._release(stream, self.v, self._clipped(stream, self._sum, radius), refresh)
         # 4. the normalised step x_{t+1} = x_t - min(lr, max_move / ||v||) v
         norm = global_norm(self.v.value)
         self.x.step(self.v.value, min(self.lr, self.max_move / norm) if norm > 0 else self.lr)
@@ -408,7 +414,7 @@ class RecursiveSpider(_Spider):
             else:
                 before = inner_x_weights(self._losses(x_prev, batch), lam_prev, bound)
                 dropped = self._vector_sum(batch, radius, weights, x_prev, before)
-            self._release(stream, self.v, self._sum, radius, refresh)
+            self._release(stream, self.v, self._clipped(stream, self._sum, radius), refresh)
         # 2. u: grad_lam g
         stream = "u-refresh" if refresh else "u-difference"
         radius = self.u_radius(refresh, dw)
@@ -419,7 +425,12 @@ class RecursiveSpider(_Spider):
                 values = values - inner_lambda_grads(self._losses(x_prev, batch), lam_prev, bound)
             dropped += self._scalar_sum(values, radius, self._u_sum)
             # d g / d lam >= 0: a refresh term lies in [0, C3], a replace-one range of C3, half of a ball's
-            self._release(stream, self.u, [self._u_sum], radius / 2 if refresh else radius, refresh)
+            clipped = (
+                self._clipped_range(stream, [self._u_sum], 0.0, radius)
+                if refresh
+                else self._clipped(stream, [self._u_sum], radius)
+            )
+            self._release(stream, self.u, clipped, refresh)
         # 3. s: the STORM estimate of g on one record at w_t and w_{t-1}
         with self.releasing("s"):
             record = self._draw("s")
@@ -430,12 +441,10 @@ class RecursiveSpider(_Spider):
             now, before = pair.clamp(0.0, self.clip["s"]).sum(dim=0)
             self._s_term.copy_(now - (1 - self.beta) * before)
             self.s.mul_(1 - self.beta)
-            ops.noisy_update(
-                [self.s],
-                sum=[self._s_term],
-                sigma=self.std("s", (2 - self.beta) * self.clip["s"] / 2),  # the plan's unit for s
-                generator=self.generator,
-                stream="s",
+            # now in [0, C], (1 - beta) before in [0, (1 - beta) C]: the term's range is (2 - beta) C
+            release(
+                [self.s], "s", ClippedSum.replace_one([self._s_term], (2 - self.beta) * self.clip["s"]),
+                noise_multiplier=self.noise["s"], reset=False, generator=self.generator,
             )
         # 4. the step on w = (x, lam), lam projected onto [lam0, inf)
         s = max(float(self.s), self.s_floor)

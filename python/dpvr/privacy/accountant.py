@@ -124,6 +124,7 @@ class _Entry:
     parts: tuple[tuple[str, float], ...]
     event: dpa.DpEvent
     count: int
+    run: str = ""  # releases of one run (or segment of a run): random allocation's epochs are counted per run
 
 
 def _parts(stream: StreamSpec) -> tuple[tuple[str, float], ...]:
@@ -241,13 +242,22 @@ class Accountant:
         return self._failure
 
     def record(
-        self, stream: StreamSpec, event: dpa.DpEvent, count: int = 1, *, replace: bool = False
+        self,
+        stream: StreamSpec,
+        event: dpa.DpEvent,
+        count: int = 1,
+        *,
+        replace: bool = False,
+        run: str = "",
     ) -> None:
         """Record ``count`` releases of ``event`` for ``stream``.
 
         ``stream`` is a name, or a mapping of names to weights when one release serves several streams (a
         shared batch; see :meth:`Mechanism.step`). ``replace=True`` makes ``event`` the stream's whole cost
-        so far, for bounds that cover a whole run (the last-iterate bound after ``t`` steps).
+        so far in ``run``, for bounds that cover a whole trajectory (the last-iterate bound after ``t``
+        steps). ``run`` names the run (or the segment of a run between re-runs) the release belongs to:
+        releases whose joint cost depends on sharing one allocation — random allocation's epochs, counted
+        ``ceil(count / t)`` — are grouped by it, so two runs are never priced as one.
 
         Raises ``ValueError`` if the event cannot be accounted by this accountant under its relation.
         """
@@ -262,15 +272,15 @@ class Accountant:
             name = parts[0][0]
             if any(len(e.parts) > 1 and name in dict(e.parts) for e in self._ledger):
                 raise ValueError(f"stream {name!r} shares releases with other streams; it cannot be replaced")
-            self._ledger = [e for e in self._ledger if e.parts != parts]
+            self._ledger = [e for e in self._ledger if e.parts != parts or e.run != run]
             self._rebuild()
         if count == 0:
             return
         last = self._ledger[-1] if self._ledger else None
-        if last is not None and last.parts == parts and last.event == event:
+        if last is not None and last.parts == parts and last.event == event and last.run == run:
             last.count += count
         else:
-            self._ledger.append(_Entry(parts, event, count))
+            self._ledger.append(_Entry(parts, event, count, run))
         self._add(parts, event, count)
 
     def record_mechanism(self, mechanism: Mechanism) -> None:
@@ -283,8 +293,9 @@ class Accountant:
         # Check every release first, so that a refused run records nothing.
         for release in mechanism.releases:
             require_supported(release.step_event(), self._kind, self._neighbouring)
+        run = f"mechanism-{len({e.run for e in self._ledger})}"  # its own run: never merged with another
         for release in mechanism.releases:
-            self.record(dict(release.parts), release.step_event(), release.count)
+            self.record(dict(release.parts), release.step_event(), release.count, run=run)
         for text in mechanism.assumptions:
             self.assume(text)
         if mechanism.failure_probability:
@@ -365,15 +376,23 @@ class Accountant:
         return min(1.0, spent + self._failure)
 
     def would_exceed(
-        self, stream: StreamSpec, event: dpa.DpEvent, epsilon_budget: float, delta: float, count: int = 1
+        self,
+        stream: StreamSpec,
+        event: dpa.DpEvent,
+        epsilon_budget: float,
+        delta: float,
+        count: int = 1,
+        *,
+        run: str = "",
     ) -> bool:
-        """Whether recording ``count`` more releases of ``event`` would take epsilon above the budget."""
+        """Whether recording ``count`` more releases of ``event`` (of ``run``) would take epsilon above the
+        budget."""
         budget = _checks.positive("epsilon_budget", epsilon_budget)
         parts = _parts(stream)
         count = _checks.count("count", count)
         require_supported(event, self._kind, self._neighbouring)
         if self._kind == "pld":
-            acc = self._pld_accountant([_Entry(parts, event, count)])
+            acc = self._pld_accountant([_Entry(parts, event, count, run)])
             return float(acc.get_epsilon(self._mechanism_delta(delta))) > budget
         curve, _ = self._curve(event)
         return self._epsilon_and_order(delta, self._total + count * curve)[0] > budget
@@ -427,7 +446,7 @@ class Accountant:
             "failure_probability": self._failure,
             "assumptions": list(self._assumptions),
             "ledger": [
-                {"streams": dict(e.parts), "count": e.count, "event": event_to_dict(e.event)}
+                {"streams": dict(e.parts), "count": e.count, "event": event_to_dict(e.event), "run": e.run}
                 for e in self._ledger
             ],
         }
@@ -438,7 +457,9 @@ class Accountant:
             raise ValueError(f"state is not a {_FORMAT} state dict (format={state.get('format')!r})")
         self._configure(state["accountant"], state["neighbouring"], state["orders"])
         for entry in state["ledger"]:
-            self.record(entry["streams"], event_from_dict(entry["event"]), entry["count"])
+            self.record(
+                entry["streams"], event_from_dict(entry["event"]), entry["count"], run=entry.get("run", "")
+            )
         for text in state["assumptions"]:
             self.assume(text)
         if state["failure_probability"]:
@@ -484,12 +505,13 @@ class _ComposedPLD:
     ) -> _ComposedPLD:
         """The ledger ``entries`` composed on the loss grid of width ``interval`` (the accountant's own grid
         unless a calibration searches on a coarser one)."""
-        # A random-allocation step is priced by epoch, per stream: its releases are counted by the streams
-        # they serve (two streams' epochs are independent allocations) and charged ceil(count / t) epochs.
+        # A random-allocation step is priced by epoch, per run and stream: its releases are counted by the run
+        # and streams they serve (two runs', or two streams', epochs are independent allocations) and charged
+        # ceil(count / t) epochs.
         counts: dict[tuple[str, str], int] = {}
         for entry in entries:
             key = json.dumps(event_to_dict(entry.event), sort_keys=True)
-            owner = json.dumps(entry.parts) if is_random_allocation(entry.event) else ""
+            owner = json.dumps([entry.run, entry.parts]) if is_random_allocation(entry.event) else ""
             counts[owner, key] = counts.get((owner, key), 0) + entry.count
         total = privacy_loss_distribution.identity(interval)  # nothing released
         for (owner, key), count in counts.items():

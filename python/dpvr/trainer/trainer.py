@@ -9,7 +9,7 @@ trainer's guarantee is the algorithm's, stated in its class documentation.
 
 from __future__ import annotations
 
-import math
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import registry
 from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
+from ..optim.sampling import steps_per_epoch
 from ..privacy import PrivacyReport
 from ..problems import MinimaxProblem
 from .data import dataset_tensors
@@ -63,9 +64,12 @@ def make_private(
       schedules are post-processing of what was released: the guarantee is unchanged. Without one, the
       algorithm's own SGD step is used and ``lr`` must be given in ``settings``. The SPIDER algorithms and
       DIFF2's BVR-L-SGD routine take their own steps (their step rules are part of the analysis).
-    - ``epochs`` or ``steps``: the run's length. An epoch is ``ceil(n / batch_size)`` steps for the algorithms
-      that sample batches, one step for the full-batch ones (``"dp-gd"``, ``"diff2"``); the SPIDERs take
-      ``steps``.
+    - ``epochs`` or ``steps``: the run's length. An epoch is the sampler's own
+      (:func:`dpvr.optim.sampling.steps_per_epoch`), so that ``epochs`` is what is charged:
+      ``round(n / batch_size)`` steps for ``sampling="random-allocation"`` (the epoch its accountant prices;
+      a fractional number of epochs is charged as the next whole number), ``n / batch_size`` for the cyclic
+      last-iterate traversal, ``ceil(n / batch_size)`` for Poisson and fixed-size batches, one step for the
+      full batch (``"dp-gd"``, ``"diff2"``, ``sampling="full"``); the SPIDERs take ``steps``.
     - ``accountant``: ``"rdp"`` or ``"pld"``; default the tightest the algorithm's plan allows (PLD wherever
       its releases are Gaussian on Poisson, fixed-size or full batches).
     - ``settings``: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
@@ -114,10 +118,13 @@ def make_private(
         settings["batch_size"] = batch_size
     elif batch_size is not None and algorithm in _FULL_BATCH:
         raise ValueError(f"batch_size: {algorithm!r} uses the full batch every step")
+    # One definition of an epoch, the sampler's: ceil(n / b) here once charged one random-allocation epoch
+    # as two (the plan prices any step past round(n / b) as a new epoch).
+    scheme = _sampling(cls, settings) if sampled else "full"
+    per_epoch = 1 if algorithm in _PER_STREAM else steps_per_epoch(scheme, n, batch_size)
     if steps is None:
         if algorithm in _PER_STREAM:
             raise ValueError(f"steps: {algorithm!r} takes steps= (its batches differ per stream)")
-        per_epoch = math.ceil(n / batch_size) if sampled else 1
         steps = max(1, round(epochs * per_epoch))
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant)
     if optimizer is not None:
@@ -132,7 +139,17 @@ def make_private(
         private: PrivateAlgorithm = cls(module, loss, [tuple(t) for t in tensors], **arguments)
     else:
         private = cls(module, loss, *tensors[0], **arguments)
-    return PrivateTrainer(private, steps_per_epoch=math.ceil(n / batch_size) if sampled else 1)
+    return PrivateTrainer(private, steps_per_epoch=per_epoch)
+
+
+def _sampling(cls: type, settings: Mapping[str, Any]) -> str:
+    """The sampling scheme ``cls(**settings)`` will draw its batches with (the given one, or its default)."""
+    if "sampling" in settings:
+        return settings["sampling"]
+    default = inspect.signature(cls).parameters.get("sampling")
+    if default is None or default.default is inspect.Parameter.empty:
+        raise TypeError(f"{cls.__name__}: samples batches but states no default sampling scheme")
+    return default.default
 
 
 class PrivateTrainer:
@@ -143,6 +160,15 @@ class PrivateTrainer:
     ``nonfinite``, must not be published). :meth:`evaluate` registers a callback run after every ``every``
     steps, e.g. to score the model on held-out data (which is not private data: the callback sees released
     parameters only).
+
+    What is released, and so what the guarantee covers, is the algorithm's: every iterate for most
+    algorithms, but under ``algorithm="last-iterate"`` (cyclic DP-SGD accounted by the last-iterate bound)
+    only the parameters after the last planned step. There the parameters between steps are *not* released:
+    :attr:`released` is false until the run is complete, :meth:`evaluate` refuses callbacks that would see an
+    intermediate iterate, and the step dictionaries carry nothing computed from one (no step length, no
+    loss). The model object is yours: reading it in your own loop before the run is complete (to score it,
+    log it, or publish a checkpoint of it) is outside the guarantee: every iterate of a cyclic run is covered
+    only by the plain composition of its passes (``bound="composition"``), above the last-iterate bound.
     """
 
     def __init__(self, algorithm: PrivateAlgorithm, *, steps_per_epoch: int = 1) -> None:
@@ -159,19 +185,46 @@ class PrivateTrainer:
     def total_steps(self) -> int:
         return self.algorithm.total_steps
 
+    @property
+    def last_iterate_only(self) -> bool:
+        """Whether the algorithm releases only its last iterate (the last-iterate bound)."""
+        return bool(getattr(self.algorithm, "last_iterate_only", False))
+
+    @property
+    def released(self) -> bool:
+        """Whether :attr:`model` holds released parameters now: always for an algorithm that releases every
+        iterate; under the last-iterate bound only once every planned step has run."""
+        return not self.last_iterate_only or self.steps_done >= self.total_steps
+
     def evaluate(self, callback: Evaluation, *, every: int = 1) -> PrivateTrainer:
-        """Calls ``callback(trainer, info)`` after every ``every`` steps (and returns the trainer)."""
+        """Calls ``callback(trainer, info)`` after every ``every`` steps (and returns the trainer).
+
+        The callback sees released parameters only (post-processing: it costs no privacy when it reads no
+        private data). Under the last-iterate bound only the final iterate is released, so a callback that
+        would run before the last planned step (``every < total_steps``) is refused here, before the run;
+        ``every=trainer.total_steps`` runs it once, on the released last iterate."""
         if every < 1:
             raise ValueError(f"every: must be >= 1, got {every}")
+        if self.last_iterate_only and every < self.total_steps:
+            unreleased = (self.total_steps - 1) // every
+            raise ValueError(
+                f"evaluate: {self.algorithm.name} here releases only its last iterate (the last-iterate "
+                f"bound), so a callback every {every} steps would see {unreleased} unreleased "
+                "intermediate iterate(s), which the reported epsilon does not cover; use "
+                f"every=trainer.total_steps ({self.total_steps}) to run it once on the released last "
+                "iterate, or score trainer.model after trainer.run()"
+            )
         self._evaluations.append((every, callback))
         return self
 
     def step(self) -> dict[str, float]:
-        """One step of the algorithm (one or more releases, each admitted by the budget guard)."""
+        """One step of the algorithm (one or more releases, each admitted by the budget guard); then the
+        :meth:`evaluate` callbacks that are due, when the model holds released parameters."""
         info = self.algorithm.step()
-        for every, callback in self._evaluations:
-            if self.algorithm.steps_done % every == 0:
-                callback(self, info)
+        if self.released:  # under the last-iterate bound: not before the run is complete
+            for every, callback in self._evaluations:
+                if self.algorithm.steps_done % every == 0:
+                    callback(self, info)
         return info
 
     def __iter__(self) -> Iterator[dict[str, float]]:

@@ -3,6 +3,8 @@
 :func:`tune` runs a random number ``K`` of full private trials, each on a candidate drawn from a grid or a
 sampler, and releases only the best. The whole search is one dp_accounting ``RepeatAndSelectDpEvent`` of
 the per-trial event, whose noise is calibrated so that the *search* meets the target ``(epsilon, delta)``.
+The trials must be independent runs (:mod:`dpvr.tuning.independence` checks it before each one runs), and
+``K`` must stay secret, which its running time does not keep unless ``constant_time=True``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..optim import DivergedError, PrivacyConfig, PrivateAlgorithm
 from ..privacy import Accountant, calibrate, event_from_dict
 from ..privacy.events import Plan, output_perturbation_multiplier
 from ..privacy.relations import for_accountant, make_accountant
+from .independence import Independence
 from .trials import TrialCount
 
 C = TypeVar("C")
@@ -49,6 +52,7 @@ class TuningResult(Generic[C]):
     Not covered, and not in :meth:`to_dict` unless asked: ``trials`` (every candidate and score) and
     ``trials_drawn`` (``K``). The theorem bounds the output of the best trial only; publishing ``K`` or the
     other trials' scores turns the search back into a composition of ``K`` runs. Keep them with the data.
+    ``max_trials`` is the public cap of a ``constant_time`` search (``None`` otherwise).
     """
 
     best: C | None
@@ -63,6 +67,7 @@ class TuningResult(Generic[C]):
     noise: dict[str, float]
     event: dpa.DpEvent
     accountant: Accountant = field(repr=False)
+    max_trials: int | None = None
 
     def to_dict(self, *, diagnostics: bool = False) -> dict[str, Any]:
         """The publishable summary; ``diagnostics=True`` adds ``trials_drawn`` and ``trials`` (see above)."""
@@ -78,6 +83,8 @@ class TuningResult(Generic[C]):
             "noise": dict(self.noise),
             "hyperparameter_tuning_accounted": True,
         }
+        if self.max_trials is not None:
+            out["max_trials"] = self.max_trials
         if diagnostics:
             out["trials_drawn"] = self.trials_drawn
             out["trials"] = [{"candidate": t.candidate, "score": t.score} for t in self.trials]
@@ -130,6 +137,8 @@ def tune(
     score_noise: float | None = None,
     privacy: PrivacyConfig | None = None,
     seed: int | None = None,
+    constant_time: bool = False,
+    max_trials: int | None = None,
 ) -> TuningResult[C]:
     """Private search: the best of a random number of private runs, ``(epsilon, delta)``-DP as a whole.
 
@@ -137,6 +146,14 @@ def tune(
       on as its ``privacy=``: the tuner sets its per-trial budget there, and the algorithm calibrates its
       noise to it. Every candidate must give the same plan (what a run releases): tune learning rates, clip
       radii, momenta; not the number of steps or the sampling, whose runs are different mechanisms.
+      Every call must build a *fresh* run: its own model (e.g. ``copy.deepcopy`` of a template), optimizer,
+      noise generator and seeds. A trial that shares a parameter, buffer, optimizer (or optimizer state),
+      algorithm state, noise generator or seed with an earlier trial chains the trials, which the theorem
+      does not cover (the released trial would carry the others' runs): it is refused with a ``ValueError``
+      before it runs (:class:`~dpvr.tuning.independence.Independence`). The plan probes below, plus a second
+      build of the first candidate, are checked the same way before any trial runs, which catches a build
+      that closes over one model or caches one per candidate without touching the data. Nothing can check
+      values a build *copies* from an earlier trial (warm starts): don't.
     - ``candidates``: a non-empty grid, drawn from uniformly, or ``sampler(rng) -> candidate``. Either way the
       draw is independent of the data.
     - ``score(algorithm)`` rates a finished trial (``maximize`` says which way). A run that diverges
@@ -161,7 +178,20 @@ def tune(
       must be ``"rdp"``, the accountant with the search's analysis.
     - ``seed`` fixes the draws of ``K``, of the candidates and of the score noise (for tests; the default
       takes them from the operating system, which the guarantee needs: ``K`` must stay secret).
-
+    - ``constant_time`` and ``max_trials``: the theorem needs ``K`` secret, and the search's wall time
+      reveals it (about ``K`` times a trial's), to anyone who can time the search, unless
+      ``constant_time=True``. Then every search runs exactly ``max_trials`` trials (a public cap), whatever
+      ``K`` is: the first ``min(K, max_trials)`` are the search's and the rest are padding, the same work
+      (a fresh candidate, built, trained, scored) whose output is dropped. All trials being independent draws
+      of one trial, the running time is a sum of ``max_trials`` identically distributed trial times, whose
+      law does not depend on ``K``. What it costs: ``max_trials`` runs instead of ``trials_mean`` on average,
+      and, as the capped search differs from the accounted one only when ``K > max_trials``, a coupling
+      gives ``(epsilon, delta + (1 + e^epsilon) P(K > max_trials))``: that term is charged to ``delta``
+      (and recorded in the accountant as a failure probability). Default cap: the smallest whose term is at
+      most ``delta / 10`` (at ``epsilon=1, delta=1e-5``: 15 trials for a Poisson count of mean 3, 29 for
+      mean 10; the geometric count's tail is heavy: 38 for mean 3, 144 for mean 10). A cap too small for
+      ``delta`` is refused. Each trial's own duration may still depend on the data and on its candidate (a
+      diverging run stops early), as any single run's does; that side channel is outside both analyses.
     Why the search is ``(epsilon, delta)``-DP. One trial ``Q`` draws a candidate independently of the data,
     runs it with the calibrated noise and scores it. Every candidate's run is the same mechanism (its plan
     and noise are checked equal to the calibrated ones before it runs, and its releases against the plan
@@ -177,7 +207,9 @@ def tune(
     event spends at most ``epsilon`` there, and checks the final event before any trial runs. A per-trial
     sensitivity bound that fails with probability ``beta`` fails in some trial with probability at most
     ``E[K] beta`` (a union bound), which is taken off ``delta``. What is released is the best trial's
-    output alone (see :class:`TuningResult`).
+    output alone (see :class:`TuningResult`); ``K`` is not, which the caller must keep so: the tuner draws it
+    from the operating system, keeps it out of :meth:`TuningResult.to_dict`, and hides it from the wall
+    time only with ``constant_time=True``.
 
     Returns a :class:`TuningResult`; its ``accountant`` holds the search as one release, so what a pipeline
     spends besides (a noisy preprocessing release, say) composes with it there.
@@ -188,21 +220,33 @@ def tune(
     if not 0 < delta < 1:
         raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
     if (score_sensitivity is None) != (score_noise is None):
-        raise ValueError("a score on private data needs both score_sensitivity and score_noise; give neither "
-                         "for a score on public data")
+        raise ValueError(
+            "a score on private data needs both score_sensitivity and score_noise; give neither "
+            "for a score on public data"
+        )
     for name, value in (("score_sensitivity", score_sensitivity), ("score_noise", score_noise)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if max_trials is not None and not constant_time:
+        raise ValueError(
+            "max_trials caps a constant_time search; give constant_time=True (a cap alone would "
+            "change the law of K and still let the running time reveal it)"
+        )
+    cap = _cap(count, epsilon, delta, max_trials) if constant_time else None
+    truncation = 0.0 if cap is None else _truncation(count, epsilon, cap)
     template = _template(privacy)
     draw = _drawer(candidates)
     rng = np.random.default_rng(seed)
 
     probes = list(candidates) if not callable(candidates) else [draw(rng)]
     plan = _plan_of(build, probes, dataclasses.replace(template, epsilon=epsilon, delta=delta))
-    trial_delta = delta - count.mean * _failure(plan)
+    trial_delta = delta - count.mean * _failure(plan) - truncation
     if trial_delta <= 0:
-        raise ValueError(f"delta ({delta}) must exceed trials_mean times the per-trial failure probability "
-                         f"({count.mean} x {_failure(plan)})")
+        raise ValueError(
+            f"delta ({delta}) must exceed trials_mean times the per-trial failure probability "
+            f"({count.mean} x {_failure(plan)})"
+            + (f" plus the cost of the cap max_trials={cap} ({truncation:.3g})" if cap else "")
+        )
     solver = _Calibration(plan, template, count, delta, trial_delta, score_sensitivity, score_noise)
     run_epsilon, trial = _solve(solver, epsilon)
     event = search_event(trial.event, count)
@@ -215,14 +259,20 @@ def tune(
     drawn = count.draw(rng)
     trials: list[Trial[C]] = []
     best: tuple[float, int, PrivateAlgorithm] | None = None  # (signed score, trial index, its run)
-    for index in range(drawn):
+    independence = Independence()
+    # A constant-time search runs the cap whatever K is; trials past K are padding (same work, dropped).
+    for index in range(drawn if cap is None else cap):
         candidate = draw(rng)
         algorithm = build(candidate, trial_privacy)
         _check_trial(algorithm, trial)
+        started = independence.admit(algorithm, f"trial {index + 1}")
         value = _run_and_score(algorithm, train, score)
         _check_releases(algorithm, trial)
+        independence.finish(started)
         if score_noise is not None and math.isfinite(value):
             value += float(rng.normal(0.0, score_noise * score_sensitivity))
+        if index >= drawn:
+            continue
         trials.append(Trial(candidate, value))
         key = sign * value if math.isfinite(value) else -math.inf
         if best is None or key > best[0]:
@@ -232,6 +282,12 @@ def tune(
     accountant.record(_SEARCH_STREAM, event)
     if trial.failure_probability:
         accountant.add_failure_probability(count.mean * trial.failure_probability)
+    if truncation:
+        accountant.add_failure_probability(truncation)
+        accountant.assume(
+            f"the search ran max_trials={cap} trials whatever K was; that it selects among the "
+            f"first min(K, {cap}) only is charged (1 + e^epsilon) P(K > {cap}) in delta"
+        )
     accountant.assume("the number of trials and every trial but the best stay secret")
     chosen = None if best is None else trials[best[1]]
     return TuningResult(
@@ -247,7 +303,43 @@ def tune(
         noise=dict(trial.noise),
         event=event,
         accountant=accountant,
+        max_trials=cap,
     )
+
+
+def _truncation(count: TrialCount, epsilon: float, cap: int) -> float:
+    """What capping the search at ``cap`` trials adds to delta: ``(1 + e^epsilon) P(K > cap)``. The capped
+    and uncapped searches agree unless ``K > cap``, so for every set ``S`` of outputs
+    ``P(capped(D) in S) <= P(uncapped(D) in S) + p <= e^eps (P(capped(D') in S) + p) + delta + p``."""
+    tail = count.tail(cap)
+    return 0.0 if tail == 0 else (1.0 + math.exp(min(epsilon, 700.0))) * tail
+
+
+def _cap(count: TrialCount, epsilon: float, delta: float, max_trials: int | None) -> int:
+    """The public cap of a constant-time search: ``max_trials``, or the smallest whose truncation term is at
+    most ``delta / 10``."""
+    if max_trials is not None:
+        if not (isinstance(max_trials, (int, np.integer)) and max_trials >= 1):
+            raise ValueError(f"max_trials must be an integer >= 1, got {max_trials!r}")
+        cost = _truncation(count, epsilon, int(max_trials))
+        if cost >= delta:
+            raise ValueError(
+                f"max_trials={max_trials}: the search it caps differs from the accounted one with "
+                f"probability P(K > {max_trials}) = {count.tail(int(max_trials)):.3g}, which costs "
+                f"{cost:.3g} of delta={delta:g}; raise max_trials (or leave it None for the smallest cap "
+                "costing delta/10)"
+            )
+        return int(max_trials)
+    cap = max(1, math.ceil(count.mean))
+    while _truncation(count, epsilon, cap) > delta / 10:
+        cap += 1
+        if cap > 10**6:
+            raise ValueError(
+                f"no cap up to 10^6 trials keeps the truncation of this search within delta={delta:g}"
+            )
+    while cap > 1 and _truncation(count, epsilon, cap - 1) <= delta / 10:
+        cap -= 1
+    return cap
 
 
 def _template(privacy: PrivacyConfig | None) -> PrivacyConfig:
@@ -259,8 +351,10 @@ def _template(privacy: PrivacyConfig | None) -> PrivacyConfig:
     if template.accountant is None:  # "the tightest one": for a search, the one with its analysis
         template = dataclasses.replace(template, accountant="rdp")
     if template.accountant != "rdp":
-        raise ValueError("the search is accounted by dp_accounting's RDP accountant: privacy.accountant must "
-                         f"be 'rdp', got {template.accountant!r}")
+        raise ValueError(
+            "the search is accounted by dp_accounting's RDP accountant: privacy.accountant must "
+            f"be 'rdp', got {template.accountant!r}"
+        )
     return template
 
 
@@ -274,13 +368,26 @@ def _drawer(candidates: Candidates[C]) -> Callable[[np.random.Generator], C]:
 
 
 def _plan_of(build: Build[C], probes: Sequence[C], privacy: PrivacyConfig) -> Plan:
-    """The plan every candidate's run shares (constructed, not run: a probe releases nothing)."""
-    plans = [(c, build(c, privacy).plan) for c in probes]
-    plan = plans[0][1]
-    for candidate, other in plans[1:]:
-        if other != plan:
-            raise ValueError(f"candidate {candidate!r} changes what a trial releases ({other} != {plan}); "
-                             "tune it in a separate search, or fix it")
+    """The plan every candidate's run shares (constructed, not run: a probe releases nothing).
+
+    The probes, and a second build of the first one, must also be independent runs: a build that closes
+    over one model, or keeps one per candidate, is refused here, before any trial touches the data."""
+    independence = Independence()
+    built = []  # kept alive while the others are built: a shared tensor is then seen exactly
+    for i, candidate in enumerate([*probes, probes[0]]):
+        algorithm = build(candidate, privacy)
+        if not isinstance(algorithm, PrivateAlgorithm):
+            raise TypeError(f"build must return a dpvr PrivateAlgorithm, got {type(algorithm).__name__}")
+        again = "a second build" if i == len(probes) else "the build"
+        independence.admit(algorithm, f"{again} of candidate {candidate!r}")
+        built.append(algorithm)
+    plan = built[0].plan
+    for candidate, algorithm in zip(probes[1:], built[1:]):
+        if algorithm.plan != plan:
+            raise ValueError(
+                f"candidate {candidate!r} changes what a trial releases ({algorithm.plan} != "
+                f"{plan}); tune it in a separate search, or fix it"
+            )
     return plan
 
 
@@ -304,9 +411,11 @@ class _Calibration:
         self.plan, self.template, self.count = plan, template, count
         self.delta, self.trial_delta = delta, trial_delta
         self.score_multiplier = (
-            None if score_noise is None
-            else output_perturbation_multiplier(score_noise * score_sensitivity, score_sensitivity,
-                                                plan.neighbouring)
+            None
+            if score_noise is None
+            else output_perturbation_multiplier(
+                score_noise * score_sensitivity, score_sensitivity, plan.neighbouring
+            )
         )
 
     def trial(self, per_trial_epsilon: float) -> _Trial:
@@ -345,8 +454,12 @@ class _Calibration:
         if low == 0.0:
             raise ValueError(
                 f"no per-trial budget lets {self.count.mean:g} expected trials fit epsilon={epsilon:g} at "
-                f"delta={self.delta:g}" + (" (the noisy score alone may exceed it: raise score_noise)"
-                                             if self.score_multiplier is not None else "")
+                f"delta={self.delta:g}"
+                + (
+                    " (the noisy score alone may exceed it: raise score_noise)"
+                    if self.score_multiplier is not None
+                    else ""
+                )
             )
         return low, self.trial(low)
 
@@ -359,8 +472,17 @@ def _solve(solver: _Calibration, epsilon: float) -> tuple[float, _Trial]:
     plan, the calibration settings, the law of ``K`` and the target, and repeated searches (an audit, seeds
     of an experiment) would otherwise pay its fraction of a second each time."""
     template = solver.template
-    key = (solver.plan, template.calibration, _frozen(template.shares), _frozen(template.paper_options),
-           solver.count, solver.delta, solver.trial_delta, solver.score_multiplier, epsilon)
+    key = (
+        solver.plan,
+        template.calibration,
+        _frozen(template.shares),
+        _frozen(template.paper_options),
+        solver.count,
+        solver.delta,
+        solver.trial_delta,
+        solver.score_multiplier,
+        epsilon,
+    )
     try:
         hash(key)
     except TypeError:  # a plan with unhashable settings: solve every time
@@ -404,8 +526,9 @@ def _run_and_score(
 
 def _check_releases(algorithm: PrivateAlgorithm, trial: _Trial) -> None:
     """After a trial: what it released is part of the plan (the same releases, no more of them)."""
-    planned = {(tuple(sorted(r.parts)), r.step_event()): r.count
-               for r in trial.plan.mechanism(trial.noise).releases}
+    planned = {
+        (tuple(sorted(r.parts)), r.step_event()): r.count for r in trial.plan.mechanism(trial.noise).releases
+    }
     made: dict[tuple[Any, dpa.DpEvent], int] = {}
     for entry in algorithm.accountant.state_dict()["ledger"]:
         key = (tuple(sorted(_pairs(entry["streams"]))), event_from_dict(entry["event"]))

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 DISTRIBUTIONS = ("poisson", "negative-binomial")
 
@@ -57,6 +58,23 @@ class TrialCount:
         if self.shape == math.inf:
             raise ValueError("the Poisson distribution has no gamma")
         return _gamma(self.shape, self.mean)
+
+    def tail(self, cap: int) -> float:
+        """``P(K > cap)``: the probability that a search capped at ``cap`` trials differs from this one.
+
+        Poisson: the Poisson survival function. Truncated negative binomial: the negative binomial's
+        survival function over its mass on ``K >= 1``, ``NB(shape, gamma).sf(cap) / (1 - gamma^shape)``;
+        the logarithmic distribution's own for ``shape = 0``."""
+        if not (isinstance(cap, (int, np.integer)) and cap >= 0):
+            raise ValueError(f"cap must be an integer >= 0, got {cap!r}")
+        if self.shape == math.inf:
+            return float(stats.poisson.sf(cap, self.mean))
+        gamma = self.gamma
+        if gamma >= 1.0:  # K = 1 always
+            return 0.0 if cap >= 1 else 1.0
+        if self.shape == 0:
+            return float(stats.logser.sf(cap, 1.0 - gamma))
+        return float(stats.nbinom.sf(cap, self.shape, gamma) / -math.expm1(self.shape * math.log(gamma)))
 
     def draw(self, rng: np.random.Generator) -> int:
         """One draw of the number of trials."""

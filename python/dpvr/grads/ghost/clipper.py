@@ -142,12 +142,16 @@ class GhostClipper:
         mode: ``"ghost"`` (no fallback layer), ``"mixed"`` or ``"materialised"`` (no ghost layer).
         backend: ``"native"`` or ``"torch"``.
 
-    Privacy-relevant guarantee: each sample's contribution ``c_i u_i`` to a returned sum has norm at most
-    ``clip``, where ``u_i`` is the exact per-sample gradient (or difference) of the recorded activations and
-    output gradients — or, for a materialised layer, the per-sample matrix as computed, which is then the
-    very vector that the clipped sum adds: the norms are upper bounds that include their rounding error and
-    the factors follow the clip rule of the fused kernels, with their margin. The matmuls that add the
-    clipped terms round like any floating-point sum.
+    Privacy-relevant guarantee: each sample's contribution to a returned sum, as written in the parameters'
+    dtype (the sum of a batch of that sample alone), has norm at most ``clip`` — as the fused kernels'
+    clipped vectors do after rounding. ``u_i`` is the exact per-sample gradient (or difference) of the
+    recorded activations and output gradients, with a table's rows summed per key and rounded once and a
+    materialised layer's per-sample matrix as computed: the very entries that the clipped sums write. The
+    norms are upper bounds that include their rounding error; the rounding of a clipped sum that adds
+    several terms per entry for one sample (a weight applied at several steps or by several calls, a
+    difference's pieces, which may cancel) is bounded and added to the norm before the factor is formed;
+    the factors follow the clip rule of the fused kernels, with their margin (see :meth:`_clip`). Adding
+    different samples' terms into one entry rounds like any floating-point sum, as in the kernels.
 
     Mixed precision: inside a ``torch.autocast`` region the recorded forward and backward run in half
     precision; the recorded activations and output gradients are then widened to the parameters' dtype,
@@ -506,22 +510,52 @@ class GhostClipper:
 
     def _clip(self, parts: list[tuple[int, Part]], clip: float, weights: Tensor | None,
               batch: int) -> tuple[Grads, Tensor]:
+        """The clipped sums of ``parts`` and the norms of the samples' vectors.
+
+        The bound, in the parameters' dtype T (unit roundoff u): what is written for one sample alone (the
+        sum of a batch of one) has norm at most ``clip``.
+
+        1. Every :class:`Rows` part is coalesced first (:meth:`Rows.coalesced`: each sample's rows of one
+           key summed into one row in T; a difference's in float64, rounded once), so its entries ``r`` are
+           what will be written, and :class:`Dense` entries are written as they are. The norm bound
+           ``n_i >= ||u_i||`` (native or torch ghost norms, which include their own float64 rounding) is of
+           exactly these entries, with the exact per-sample matrices of the :class:`Outer` parts' pieces.
+        2. ``E_i`` (:func:`~dpvr.grads.ghost.norms.write_error`) bounds what an Outer part's matmul (a sum of
+           ``K`` rounded terms per entry, which may cancel) and a reduced-precision matmul add beyond one
+           rounding per entry: ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``. The factor is formed from
+           ``N_i >= n_i + E_i`` by the kernels' own rule and margin (``ops.clip_factors`` /
+           ``norms.clip_factors``): ``f N_i <= C (1 - margin)`` in float64 with ``margin >= 2 u``, and the
+           factor stored in T is ``f' <= f (1 + u)``.
+        3. Each written entry of a Rows or Dense part is ``fl(f' r)``: ``|w_j - f' r_j| <= u f' |r_j|``. So
+           ``||w_i|| <= f' (||u_i|| + u ||u_i|| + E_i) <= (1 + u) f' N_i <= (1 + u)^2 C (1 - 2u) < C``.
+
+        The returned norms are the bounds ``n_i`` (times ``|w_i|``). Several samples' terms added into one
+        entry round like any floating-point accumulation, as in the fused kernels.
+        """
         dtype = self._dtype
+        parts = [(k, p.coalesced() if isinstance(p, Rows) else p) for k, p in parts]
+        error = torch_norms.write_error(parts, batch, dtype, self._device)
         if self.backend == "native":
             norms_sq = torch.empty(batch, dtype=torch.float64)
-            ops.ghost_norms(norms_sq, outer=[p.pieces for _, p in parts if isinstance(p, Outer)],
-                            index=[ops.IndexTerm([(k.long(), n) for k, n in p.pieces], p.skip)
-                                   for _, p in parts if isinstance(p, Rows)],
-                            dense=[p.u for _, p in parts if isinstance(p, Dense)], form=self.norm_form)
+            ops.ghost_norms(norms_sq, outer=[p.pieces for _, p in parts if isinstance(p, Outer)], index=[],
+                            dense=[p.u if isinstance(p, Dense) else p.flat() for _, p in parts
+                                   if isinstance(p, (Dense, Rows))], form=self.norm_form)
             factors = torch.empty(batch, dtype=dtype)
             norms = torch.empty(batch, dtype=dtype)
-            dirty = ops.clip_factors(norms_sq, clip, factors, columns=self._dim, weights=weights, norms=norms,
+            dirty = ops.clip_factors(torch_norms.with_write_error(norms_sq, error), clip, factors,
+                                     columns=self._dim, weights=weights, norms=norms,
                                      nonfinite=self.nonfinite)
         else:
             norms_sq = torch_norms.ghost_norms([p for _, p in parts], batch, self._device, self.norm_form)
-            factors, norms = torch_norms.clip_factors(norms_sq, clip, dtype, columns=self._dim,
-                                                      weights=weights, nonfinite=self.nonfinite)
+            factors, norms = torch_norms.clip_factors(torch_norms.with_write_error(norms_sq, error), clip,
+                                                      dtype, columns=self._dim, weights=weights,
+                                                      nonfinite=self.nonfinite)
             dirty = True  # knowing would cost a synchronisation: clear the rows unconditionally
+        if error is not None:  # report the bounds n_i of the norms, not N_i
+            measured = norms_sq.sqrt()
+            if weights is not None:
+                measured = measured * weights.to(torch.float64).abs()
+            norms = torch.where(torch.isnan(norms), norms, measured.to(dtype))
         if dirty:
             bad = torch.isnan(norms)  # factor 0, but 0 * NaN is NaN inside a matmul: clear their rows
             parts = [(k, p.drop(bad)) for k, p in parts]

@@ -1,6 +1,8 @@
 """Ghost rules of lookup tables: ``nn.Embedding`` and ``nn.EmbeddingBag`` (``"sum"``/``"mean"`` over a
 ``(B, bag)`` index tensor). Sample i's gradient adds its output gradient rows to the rows it looked up
-(:class:`~dpvr.grads.ghost.rules.Rows`); ``padding_idx`` rows get none.
+(:class:`~dpvr.grads.ghost.rules.Rows`); ``padding_idx`` rows get none. The clipper coalesces every sample's
+rows per key before it measures them (:meth:`~dpvr.grads.ghost.rules.Rows.coalesced`), so repeated keys
+and a difference's two points are written as the single rounded rows that the norm measured.
 """
 
 from __future__ import annotations
@@ -10,14 +12,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .rules import GhostRule, LayerCall, Part, Rows, register_ghost_rule, same_tensor, scale_rows, steps
+from .rules import GhostRule, LayerCall, Part, Rows, register_ghost_rule, same_tensor, scale_rows64, steps
 
 
 def _difference(k: Tensor, g: Tensor, k_b: Tensor, g_b: Tensor, a: Tensor | None, b: Tensor | None,
                 skip: int | None) -> Rows:
-    """``a_i u_i - b_i u'_i``: one piece when both points looked up the same keys (the model input)."""
-    g, g_b = scale_rows(g, a), scale_rows(g_b, b)
-    return Rows([(k, g - g_b)] if same_tensor(k, k_b) else [(k, g), (k_b, -g_b)], skip)
+    """``a_i u_i - b_i u'_i``, :meth:`~Rows.coalesced`: the two points' rows (one piece when both looked up
+    the same keys, the model input) are scaled and added in float64 and each sample's row of a key is
+    rounded once, so the rows written are the rows measured (rows of the two points added into one float32
+    row would cancel, and their rounding is not bounded by the small difference that the norm measures)."""
+    wide, wide_b = scale_rows64(g, a), scale_rows64(g_b, b)
+    pieces = [(k, wide - wide_b)] if same_tensor(k, k_b) else [(k, wide), (k_b, -wide_b)]
+    return Rows(pieces, skip).coalesced(g.dtype)
 
 
 @register_ghost_rule(nn.Embedding)

@@ -116,6 +116,8 @@ class ConvOuter(Outer):
     patches, which are formed only when a norm form asks for :attr:`pieces`.
     """
 
+    by_convolution = True
+
     def __init__(self, rule: ConvRule, raw: Pieces) -> None:
         self.rule, self.raw = rule, raw
 

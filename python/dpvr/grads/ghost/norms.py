@@ -69,6 +69,8 @@ def _outer(part: Outer, form: str) -> tuple[Tensor, Tensor, float]:
 
 
 def _rows(part: Rows) -> tuple[Tensor, Tensor, float]:
+    if part.unique:  # coalesced: one entry per key, and zeros
+        return _dense(Dense(part.flat()))
     keys = torch.cat([k.reshape(k.shape[0], -1) for k, _ in part.pieces], dim=1)
     n = torch.cat([_sequence(n) for _, n in part.pieces], dim=1)
     if part.skip is not None:
@@ -112,6 +114,76 @@ def ghost_norms(parts: Sequence[Part], batch: int, device: torch.device, form: s
     # Summing the parts adds at most (parts + 4) u of their magnitudes; the final (1 + 8u) covers this line.
     upper = (sumsq.clamp(min=0) + bound + ((len(parts) + 4.0) * U64) * magnitude) * (1.0 + 8.0 * U64)
     return upper.masked_fill(~torch.isfinite(upper), float("nan"))
+
+
+def reduced_precision_unit(conv: bool, device: torch.device) -> float:
+    """The unit roundoff to which torch may round the inputs of float32 products in a matmul (``conv``: in a
+    convolution on ``device``) under its reduced-precision settings: TF32 (``2^-11``), bfloat16 (``2^-8``),
+    or 0 in full precision."""
+    precision = torch.get_float32_matmul_precision()
+    unit = 0.0 if precision == "highest" else 2.0 ** -11 if precision == "high" else 2.0 ** -8
+    if conv and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
+        unit = max(unit, 2.0 ** -11)
+    return unit
+
+
+def write_error(parts: Sequence[tuple[int, Part]], batch: int, dtype: torch.dtype,
+                device: torch.device) -> Tensor | None:
+    """Float64 ``(B,)`` bounds ``E_i`` on the rounding of what the clipped sums write for one sample, beyond
+    one rounding per entry: ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``, where ``w_i`` is what
+    :meth:`Outer.total`, :meth:`Rows.total` and :meth:`Dense.total` write for sample i alone with the factor
+    ``f_i`` (in ``dtype``, unit roundoff ``u``). None when every ``E_i`` is 0.
+
+    A coalesced :class:`Rows` part and a :class:`Dense` part write ``fl(f_i r)`` per entry ``r``: one
+    rounding, no ``E``. An :class:`Outer` part writes ``sum_t (f_i n_t) m_t^T`` over its ``K`` steps (of all
+    its pieces): each of the ``K`` terms of an entry meets one rounding of the scaling, one of the product
+    and at most ``K - 1`` of the additions (in any summation order: blocked, pairwise, fused), so the entry
+    is ``sum_t f_i n_t m_t (1 + theta_t)`` with ``|theta_t| <= gamma = k u / (1 - k u)``, ``k = K + 1``,
+    and the Frobenius norm of ``[sum_t |n_t| |m_t|^T]`` is at most ``R_i = sum_t ||n_t|| ||m_t||``:
+    ``E_i = gamma R_i``. ``R_i`` may be far above ``||u_i||`` (the steps of a sequence, the calls of a shared
+    layer or a difference's two pieces may cancel), which is why a bound relative to ``||u_i||`` alone (the
+    clip margin) does not cover it. Under torch's TF32/bfloat16 matmul (or cuDNN TF32) settings, each
+    product's two inputs may be rounded too (:func:`reduced_precision_unit`: ``u'``), which adds ``2 u'`` to
+    ``k u``; a Dense part, whose sum is a matmul, then has ``k u = 2 u'`` and ``R_i = ||u_i||``. ``R_i`` is
+    computed in float64 and rounded up.
+    """
+    unit = 2.0 ** -24 if dtype == torch.float32 else U64
+    error: Tensor | None = None
+    for _, part in parts:
+        reduced = 0.0
+        if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
+            reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
+        if isinstance(part, Outer):
+            r = torch.zeros(batch, dtype=torch.float64, device=device)
+            terms, width = 0, 0
+            for m, n in part.pieces:
+                m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+                r += (torch.linalg.vector_norm(m3, dim=-1, dtype=torch.float64)
+                      * torch.linalg.vector_norm(n3, dim=-1, dtype=torch.float64)).sum(dim=1)
+                terms, width = terms + m3.shape[1], max(width, m3.shape[-1] + n3.shape[-1])
+            rounds = (terms + 1) * unit + reduced
+        elif isinstance(part, Dense) and reduced > 0.0:
+            u = part.u.reshape(part.u.shape[0], -1)
+            r = torch.linalg.vector_norm(u, dim=-1, dtype=torch.float64)
+            terms, width, rounds = 1, u.shape[-1], reduced
+        else:
+            continue
+        if rounds >= 0.5:
+            raise ValueError(f"a layer's clipped sum adds {terms} terms per entry: too many for the rounding "
+                             f"of {dtype} to be bounded; use float64 parameters")
+        # R's own float64 roundings (norms over the widths, products, the sum over the steps), rounded up.
+        e = (rounds / (1.0 - rounds)) * (1.0 + 2.0 * (width + terms + 8) * U64) * r
+        error = e if error is None else error + e
+    # ... and the additions over the parts.
+    return None if error is None else error * (1.0 + 2.0 * (len(parts) + 8) * U64)
+
+
+def with_write_error(norms_sq: Tensor, error: Tensor | None) -> Tensor:
+    """Upper bounds on ``(sqrt(norms_sq) + error)^2`` in float64 (each rounding covered by the factor)."""
+    if error is None:
+        return norms_sq
+    total = (norms_sq.sqrt() + error * (1.0 + 4.0 * U64)) * (1.0 + 16.0 * U64)
+    return total * total
 
 
 def clip_margin(dtype: torch.dtype, columns: int) -> float:

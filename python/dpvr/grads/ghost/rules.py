@@ -8,9 +8,11 @@ per-sample gradient (or same-sample gradient difference) expressed as *parts*, o
 - :class:`Rows`: ``u_i`` adds ``N_j[i, t]`` to row ``K_j[i, t]`` of a table (embeddings);
 - :class:`Dense`: ``u_i`` materialised, one ``(B, *shape)`` tensor (biases, normalisation layers, fallbacks).
 
-The clipper computes every sample's norm from the parts (natively on the host, with torch on other devices:
-both return upper bounds that include their rounding error), then the clipped sum ``sum_i f_i u_i`` of each
-part without forming ``u_i`` for ``Outer`` and ``Rows``.
+The clipper coalesces each sample's ``Rows`` per key (:meth:`Rows.coalesced`), computes every sample's norm
+from the parts (natively on the host, with torch on other devices: both return upper bounds that include
+their rounding error) plus a bound on the rounding of the ``Outer`` parts' sums
+(:func:`~dpvr.grads.ghost.norms.write_error`), then the clipped sum ``sum_i f_i u_i`` of each part without
+forming ``u_i`` for ``Outer`` and ``Rows``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from torch import Tensor, nn
 def scale_rows(t: Tensor, s: Tensor | None) -> Tensor:
     """``t`` with row (sample) i scaled by ``s[i]``; ``t`` itself when ``s`` is None."""
     return t if s is None else t * s.view(-1, *([1] * (t.dim() - 1)))
+
+
+def scale_rows64(t: Tensor, s: Tensor | None) -> Tensor:
+    """``scale_rows(t, s)`` in float64: exact for float32 ``t`` and ``s``."""
+    return scale_rows(t.to(torch.float64), None if s is None else s.to(torch.float64))
 
 
 def zero_rows(t: Tensor, bad: Tensor) -> Tensor:
@@ -98,6 +105,7 @@ class Outer:
     ``(B, T_j, q)`` (or ``(B, p)``/``(B, q)``); the ``(q, p)`` matrix is reshaped to the parameter."""
 
     pieces: list[tuple[Tensor, Tensor]]
+    by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
         out = None
@@ -143,10 +151,12 @@ class Outer:
 class Rows:
     """``u_i`` adds ``N_j[i, t]`` to row ``K_j[i, t]`` of a ``(rows, q)`` table; ``pieces`` are
     ``(K_j, N_j)``, int64 ``(B, T_j)`` and ``(B, T_j, q)``. Positions whose key is ``skip`` contribute
-    nothing."""
+    nothing. ``unique``: the part is :meth:`coalesced` (one piece; within a sample, a key's rows after its
+    first are zeros)."""
 
     pieces: list[tuple[Tensor, Tensor]]
     skip: int | None = None
+    unique: bool = False
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
         n0 = self.pieces[0][1]
@@ -157,14 +167,55 @@ class Rows:
             out[self.skip] = 0
         return out
 
+    def coalesced(self, dtype: torch.dtype | None = None) -> Rows:
+        """The same per-sample vectors with every sample's rows summed per key: what :meth:`total` then
+        writes for one sample is exactly the vector that the norms measure, up to one rounding per entry.
+
+        Each sample's keys are sorted; its rows of one key are added (in the pieces' dtype: a difference
+        passes rows scaled and widened to float64, so that its rows are exact sums rounded once) into the
+        slot of the key's first occurrence, and the sums are rounded to ``dtype`` (default: the pieces'
+        dtype); the key's other slots hold zeros. Every table row of a sample is then one entry ``r`` in
+        ``dtype`` plus zeros, which the norms measure, and for which :meth:`total` writes ``fl(f_i r)``
+        (adding zeros is exact). Uncoalesced, a row written would be a float32 sum
+        ``fl(f a) + fl(-f b) + ...`` of terms that may cancel (a difference's two points, repeated keys),
+        whose rounding is not bounded by the small ``a - b`` that the norm measured.
+        """
+        dtype = self.pieces[0][1].dtype if dtype is None else dtype
+        if self.unique and self.pieces[0][1].dtype == dtype:
+            return self
+        keys = steps([k.reshape(k.shape[0], -1) for k, _ in self.pieces])
+        rows = steps([n if n.dim() == 3 else n.unsqueeze(1) for _, n in self.pieces])
+        keys, order = keys.sort(dim=1)
+        starts = torch.ones_like(keys, dtype=torch.bool)
+        starts[:, 1:] = keys[:, 1:] != keys[:, :-1]
+        position = torch.arange(keys.shape[1], device=keys.device).expand_as(keys)
+        first = torch.where(starts, position, 0).cummax(dim=1).values  # sorted slot of each key's first entry
+        slot = torch.empty_like(order).scatter_(1, order, first)  # ... for each entry in its own order
+        batch, width, q = rows.shape
+        slot += width * torch.arange(batch, device=slot.device).unsqueeze(1)
+        sums = rows.new_zeros(batch * width, q).index_add_(0, slot.reshape(-1), rows.reshape(-1, q))
+        return Rows([(keys, sums.view(batch, width, q).to(dtype))], self.skip, unique=True)
+
+    def flat(self) -> Tensor:
+        """``(B, T q)``: a coalesced part's entries with the skipped key's zeroed: each sample's vector (in
+        some order, with zeros), whose norm is the vector's."""
+        if not self.unique:
+            raise ValueError("Rows.flat: coalesce the part first")
+        (k, n), = self.pieces
+        if self.skip is not None:
+            n = n.masked_fill((k == self.skip).unsqueeze(-1), 0)
+        return n.reshape(n.shape[0], -1)
+
     def drop(self, bad: Tensor) -> Rows:
-        return Rows([(k, zero_rows(n, bad)) for k, n in self.pieces], self.skip)
+        return Rows([(k, zero_rows(n, bad)) for k, n in self.pieces], self.skip, self.unique)
 
     def combine(self, other: Rows, a: Tensor | None, b: Tensor | None) -> Rows:
+        """``a_i u_i - b_i u'_i``, scaled in float64 and :meth:`coalesced` to the pieces' dtype."""
         if self.skip != other.skip:
             raise ValueError("Rows parts with different skip keys cannot be combined")
-        return Rows([(k, scale_rows(n, a)) for k, n in self.pieces]
-                    + [(k, -scale_rows(n, b)) for k, n in other.pieces], self.skip)
+        pieces = ([(k, scale_rows64(n, a)) for k, n in self.pieces]
+                  + [(k, -scale_rows64(n, b)) for k, n in other.pieces])
+        return Rows(pieces, self.skip).coalesced(self.pieces[0][1].dtype)
 
 
 @dataclass

@@ -70,19 +70,21 @@ import dp_accounting as dpa
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ...ops import NoiseGenerator, add_noise, check_nonfinite
+from ... import ops
+from ...ops import NoiseGenerator, check_nonfinite
 from ...privacy import Accountant, PhasedPlan, account, output_perturbation_multiplier
 from ...privacy.mechanism import noise_dict
 from ...problems import FiniteSumProblem, check_problem
-from ..base import _canonical
+from ..base import BudgetExhaustedError, _canonical
 from ..config import PrivacyConfig, RuntimeConfig
+from ..ledger import RunLedger
 from .problem import BaseSolver, CertificateError, PhaseProblem, split_rows
 from .solvers import KatyushaSolver, VRExtragradientSolver
 
 SETTINGS = ("sc", "c", "sc-sc", "c-c", "c-sc")
 GAUSSIAN = ("analytic", "classic", "paper", "tight")
 _STREAMS = ("x", "y")
-_FORMAT = "dpvr.optim.PhasedOutputPerturbation/2"
+_FORMAT = "dpvr.optim.PhasedOutputPerturbation/3"
 
 
 @dataclass(frozen=True)
@@ -278,8 +280,13 @@ class PhasedOutputPerturbation:
     (every argument above but ``solver``, ``accountant`` and ``generator``: the released point's
     sensitivity rests on the certificate, not on which solver reached it, so a run whose solver failed may
     resume with another), and :meth:`run` refuses a problem other than
-    the one the state was written for. Noise keys are derived from the settings and from the point each
-    release perturbs, so no two releases of different points share a noise draw.
+    the one the state was written for. Every phase release is written into the run's ledger
+    (:class:`~dpvr.optim.ledger.RunLedger`) before it is made, so loading an older state of the same run
+    charges what the run released after it: by parallel composition, the releases of one stream made after
+    that state in one branch cost one release (their phases read disjoint chunks). The re-run then is a new
+    branch whose own releases are charged once more, and refused (:class:`~dpvr.optim.BudgetExhaustedError`)
+    if that exceeds ``epsilon``. Noise keys are derived from the settings, the release's ledger entry and the
+    point each release perturbs, so no two releases share a noise draw.
     """
 
     def __init__(
@@ -352,6 +359,8 @@ class PhasedOutputPerturbation:
         self._points: dict[int, list[list[float]]] = {}  # run -> its current (x, y) after the last phase
         self._noise: dict[str, float] = {}
         self._problem_fingerprint: str | None = None  # of the problem a loaded state was written for
+        self._charged: set[tuple[str, str]] = set()  # (segment, stream) whose run release is recorded
+        self.ledger = RunLedger()
         self._binding = {
             k: _canonical(v)
             for k, v in dict(
@@ -361,6 +370,10 @@ class PhasedOutputPerturbation:
             ).items()
         }  # fmt: skip
         self.generator.bind(hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode()).digest())
+        if self.generator.reproducible:  # a replay of a reproducible run must find the same run id
+            run = hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode())
+            run.update(self.generator.seed.to_bytes(8, "little"))
+            self.ledger = RunLedger(run.hexdigest()[:32], run.hexdigest()[32:48])
 
     # -- the phase loop ----------------------------------------------------------------------------------
 
@@ -468,11 +481,15 @@ class PhasedOutputPerturbation:
             name, block = _STREAMS[b], phase.blocks[b]
             sensitivity[name] = (1 + 2 * self.tolerance) * exact / math.sqrt(phase.moduli[b])
             sigma[name] = self.ratios[name] * sensitivity[name]
-            noisy = point[block].copy()  # never add noise into the solver's own array
-            add_noise(noisy, sigma[name], generator=self.generator, stream=f"phased/{name}")
+            multiplier = output_perturbation_multiplier(sigma[name], sensitivity[name])
+            self._admit(name, multiplier)
+            # noisy <- point + N(0, sigma^2): the key binds the point, never the solver's own array
+            noisy = np.empty_like(point[block])
+            ops.noisy_update(
+                noisy, sum=np.ascontiguousarray(point[block]), sigma=sigma[name], reset=True,
+                generator=self.generator, stream=f"phased/{name}",
+            )  # fmt: skip
             points[b] = (problem.domain_x, problem.domain_y)[b].project(noisy)
-            if k == 1:
-                self._record(name, output_perturbation_multiplier(sigma[name], sensitivity[name]))
         self._records.append(
             PhaseRecord(
                 index,
@@ -490,12 +507,28 @@ class PhasedOutputPerturbation:
         self._points[index] = [p.tolist() for p in points]
         return points
 
-    def _record(self, name: str, multiplier: float) -> None:
-        """Record a run's release of ``name`` once: its later phases read other chunks (parallel
-        composition), and every release has the same ``sigma / Delta``, hence the same multiplier."""
+    def _admit(self, name: str, multiplier: float) -> None:
+        """Admits a phase's release of ``name``: written into the run's ledger, then charged once per branch
+        (its phases read disjoint chunks: parallel composition; every release has the same ``sigma /
+        Delta``, hence the same multiplier); a charge beyond the budget is refused before the release."""
         noise = dict.fromkeys(self._plan.streams, multiplier)
         attribution, event = self._plan.step(name, noise)
-        self.accountant.record(attribution, event)
+        first = (self.ledger.segment, name) not in self._charged
+        rerun = any(segment != self.ledger.segment for segment, _ in self._charged)
+        if first and rerun and self.accountant.would_exceed(
+            attribution, event, self.epsilon, self.delta, run=self.ledger.segment
+        ):
+            raise BudgetExhaustedError(
+                f"phased: re-running the '{name}' release after a resume would exceed the budget "
+                f"epsilon={self.epsilon:g} (the run's releases after the loaded state are charged); nothing "
+                "was released"
+            )
+        self.ledger.admit(attribution, event)
+        self.generator.for_release(self.ledger.noise_context())
+        if not first:
+            return
+        self._charged.add((self.ledger.segment, name))
+        self.accountant.record(attribution, event, run=self.ledger.segment)
         for text in self._plan.mechanism(noise).assumptions:
             self.accountant.assume(text)
         self.accountant.assume(
@@ -572,10 +605,13 @@ class PhasedOutputPerturbation:
             "noise_multipliers": dict(self._noise),
             "accountant": self.accountant.state_dict(),
             "generator": self.generator.state_dict(),
+            "ledger": self.ledger.state(),
+            "charged": sorted(list(c) for c in self._charged),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: :meth:`run` then continues with the next phase."""
+        """Resume from :meth:`state_dict`: :meth:`run` then continues with the next phase. The run's releases
+        made after the state (this object's, in any branch) are charged, and what follows is a new branch."""
         if state.get("format") != _FORMAT:
             raise ValueError(f"state is not a {_FORMAT} state dict (format={state.get('format')!r})")
         if state["setting"] != self.setting:
@@ -586,6 +622,11 @@ class PhasedOutputPerturbation:
                 f"state: written by a run with other settings ({', '.join(differ)}); resuming it here could "
                 "release what that run already released under other conditions"
             )
+        position = state["ledger"]
+        ledger = RunLedger.at(position)
+        if ledger.run == self.ledger.run:
+            ledger.adopt(self.ledger)
+        after = ledger.releases_after(ledger.seq)
         self._problem_fingerprint = state["problem"]
         self.seed = int(state["seed"])
         self._records = [
@@ -599,6 +640,15 @@ class PhasedOutputPerturbation:
         self.accountant.load_state_dict(state["accountant"])
         self.generator.load_state_dict(state["generator"])
         self.generator.bind(hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode()).digest())
+        self._charged = {(str(s), str(n)) for s, n in state["charged"]}
+        for release in after:  # one charge per branch and stream: parallel composition over its phases
+            name = release.parts if isinstance(release.parts, str) else next(iter(release.parts))
+            if (release.segment, name) not in self._charged:
+                self._charged.add((release.segment, name))
+                self.accountant.record(release.parts, release.event, run=release.segment)
+        known = ledger.run == self.ledger.run
+        ledger.resumed(bool(after) or not (known or self.generator.reproducible), None)
+        self.ledger = ledger
 
 
 __all__ = [

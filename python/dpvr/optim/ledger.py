@@ -1,0 +1,207 @@
+"""The run ledger: every release a run makes, in order, written down before it is made.
+
+A *run* is one private computation on one dataset, from its first release to its last, however many times
+it is checkpointed and resumed. Its ledger is born with it (a random run id), travels in every checkpoint of
+it, and once the run has written a checkpoint file lives in a file of its own beside that first checkpoint,
+``dpvr-run-<run id>.ledger``, one JSON line per release, each flushed to disk before the release is made (a
+write-ahead log).
+
+Each release gets a *sequence number*, unique in the run and increasing across every resume, and belongs to
+a *segment*: the stretch of the run between two resumes that re-run released steps. A checkpoint records
+the sequence number it was written at, and its accountant holds every release of the run up to it (the
+invariant :meth:`RunLedger.releases_after` keeps): so a resume from *any* checkpoint of the run charges
+exactly the ledger's releases after that number — the releases the run made since that checkpoint, in
+whichever branch it made them — and then continues numbering after the ledger's last release.
+
+Why segments: a re-run (a resume from a checkpoint the run had moved past) repeats released steps with
+fresh noise. Its batches must not reuse the sampling randomness of the branch it repeats (two releases
+of the same hidden batch are not two independently sampled mechanisms), so the re-run starts a new segment
+with fresh sampling randomness, and the accountant groups releases whose privacy depends on a shared
+allocation (random allocation's epochs, the last-iterate bound of one trajectory) by segment.
+
+A ledger is bound to one process at a time: two processes resuming the same run at once would each miss
+the other's releases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import dp_accounting as dpa
+
+from ..persistence import Journal
+from ..privacy import event_from_dict, event_to_dict
+
+LEDGER_PREFIX = "dpvr-run-"
+LEDGER_SUFFIX = ".ledger"
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release of the run: its sequence number, segment, streams (a name, or ``{name: weight}`` for a
+    release shared by several streams) and event; ``replace`` marks a whole-trajectory bound (last iterate)
+    that supersedes its segment's earlier ones."""
+
+    seq: int
+    segment: str
+    parts: str | Mapping[str, float]
+    event: dpa.DpEvent
+    replace: bool = False
+
+    def to_dict(self, run: str) -> dict[str, Any]:
+        return {
+            "run": run,
+            "seq": self.seq,
+            "segment": self.segment,
+            "parts": self.parts if isinstance(self.parts, str) else dict(self.parts),
+            "event": event_to_dict(self.event),
+            "replace": self.replace,
+        }
+
+    @classmethod
+    def from_dict(cls, entry: Mapping[str, Any]) -> Release:
+        parts = entry["parts"]
+        return cls(
+            int(entry["seq"]),
+            str(entry["segment"]),
+            parts if isinstance(parts, str) else {str(k): float(v) for k, v in parts.items()},
+            event_from_dict(entry["event"]),
+            bool(entry["replace"]),
+        )
+
+
+class LedgerError(ValueError):
+    """A run's ledger is missing, unreadable or of another run: the releases after a checkpoint cannot be
+    charged, so the run cannot resume from it."""
+
+
+class RunLedger:
+    """The ledger of one run (see the module documentation).
+
+    In memory it keeps the releases this object made (every branch it ran); once :meth:`attach` has given
+    it a file, every release is also appended there before it is made."""
+
+    def __init__(
+        self, run: str | None = None, segment: str | None = None, seq: int = 0, branched: bool = False
+    ) -> None:
+        self.run = run if run is not None else secrets.token_hex(16)
+        self.segment = segment if segment is not None else secrets.token_hex(8)
+        self.seq = seq
+        self.branched = branched  # some releases of the run were re-run: its releases are no longer one line
+        self._memory: list[Release] = []
+        self._file: Journal | None = None
+
+    @property
+    def path(self) -> str | None:
+        """The ledger's file, once the run has written a checkpoint file."""
+        return None if self._file is None else self._file.path
+
+    def admit(
+        self, parts: str | Mapping[str, float], event: dpa.DpEvent, *, replace: bool = False
+    ) -> Release:
+        """Numbers the next release and writes it down (to disk first, when attached); returns it."""
+        release = Release(self.seq + 1, self.segment, parts, event, replace)
+        if self._file is not None:
+            self._file.append(release.to_dict(self.run))
+        self._memory.append(release)
+        self.seq = release.seq
+        return release
+
+    def adopt(self, other: RunLedger) -> None:
+        """Shares ``other``'s knowledge of the run (an in-memory resume of the same run): its file and the
+        releases it saw."""
+        self._file, self._memory = other._file, other._memory
+
+    def noise_context(self) -> bytes:
+        """What every noise key of the next release is derived from besides the signal: the run, its
+        segment and the release's sequence number, so that no two releases of a run share a key (on every
+        device: no digest of the signal is needed for that)."""
+        return f"{self.run}/{self.segment}/{self.seq}".encode()
+
+    def attach(self, checkpoint: str | os.PathLike[str]) -> None:
+        """Gives the ledger its file (once): beside ``checkpoint``, the run's first checkpoint file."""
+        if self._file is not None:
+            return
+        directory = os.path.dirname(os.path.abspath(checkpoint))
+        journal = Journal(os.path.join(directory, f"{LEDGER_PREFIX}{self.run}{LEDGER_SUFFIX}"))
+        for entry in journal.entries():  # a file of this run already (a resume that had none in state)
+            _check_run(entry, self.run, journal.path)
+        if not os.path.exists(journal.path):
+            journal.clear()  # the file every checkpoint will name exists from the first one on
+        self._file = journal
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the ledger: the run, segment, sequence number and file."""
+        return {
+            "run": self.run,
+            "segment": self.segment,
+            "seq": self.seq,
+            "branched": self.branched,
+            "path": self.path,
+        }
+
+    def releases_after(self, seq: int) -> list[Release]:
+        """Every release of the run numbered after ``seq``: from the file when there is one (all branches),
+        else from memory (this object's own releases)."""
+        if self._file is None:
+            return [r for r in self._memory if r.seq > seq]
+        try:
+            entries = self._file.entries()
+            for entry in entries:
+                _check_run(entry, self.run, self._file.path)
+            return [r for r in map(Release.from_dict, entries) if r.seq > seq]
+        except LedgerError:
+            raise
+        except (ValueError, KeyError, TypeError) as err:
+            raise LedgerError(
+                f"run ledger {self._file.path!r}: unreadable ({err}); the releases after the checkpoint "
+                "cannot be charged, so the run cannot resume from it"
+            ) from None
+
+    @classmethod
+    def at(cls, state: Mapping[str, Any]) -> RunLedger:
+        """A ledger standing where ``state`` (:meth:`state`) says, without its file or releases."""
+        return cls(str(state["run"]), str(state["segment"]), int(state["seq"]), bool(state["branched"]))
+
+    @classmethod
+    def of_checkpoint(cls, state: Mapping[str, Any], checkpoint: str | os.PathLike[str]) -> RunLedger:
+        """The ledger of the run a checkpoint ``state`` was written by, with its file: the file the state
+        names, or the file of that name beside ``checkpoint`` (a run directory that was moved)."""
+        ledger = cls.at(state)
+        named = state.get("path")
+        if named is None:
+            raise LedgerError(f"checkpoint {os.fspath(checkpoint)!r}: its run ledger has no file")
+        beside = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), os.path.basename(named))
+        for candidate in (named, beside):
+            if os.path.exists(candidate):
+                ledger._file = Journal(candidate)
+                return ledger
+        raise LedgerError(
+            f"checkpoint {os.fspath(checkpoint)!r}: its run ledger {named!r} is missing (not there, nor "
+            "beside the checkpoint); the releases the run made after this checkpoint cannot be charged, so "
+            "it cannot resume from it. Keep the ledger file with the run's checkpoints."
+        )
+
+    def resumed(self, rerun: bool, seed: int | None = None) -> None:
+        """Continues numbering after the ledger's last release; a re-run starts a new segment (random, or
+        derived from ``seed`` for a reproducible run, so that its replay is reproducible too)."""
+        self.seq = max([self.seq, *(r.seq for r in self.releases_after(self.seq))])
+        if rerun:
+            self.branched = True
+            self.segment = (
+                secrets.token_hex(8)
+                if seed is None
+                else hashlib.sha256(f"{seed}/{self.run}/{self.seq}".encode()).hexdigest()[:16]
+            )
+
+
+def _check_run(entry: Any, run: str, path: str) -> None:
+    if not isinstance(entry, Mapping) or entry.get("run") != run:
+        found = entry.get("run") if isinstance(entry, Mapping) else None
+        raise LedgerError(f"run ledger {path!r}: holds releases of run {found!r}, not of this run {run!r}")
+

@@ -1,0 +1,479 @@
+"""Regression tests from a privacy review of the front door: ``tune()``'s trials are independent runs and
+its running time can be made independent of their number; ``evaluate()`` callbacks see released iterates
+only; an epoch of random-allocation batches is charged as one epoch."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import dpvr
+from dpvr.ops import NoiseGenerator
+from dpvr.optim import DPGD, RuntimeConfig
+from dpvr.optim.sampling import BatchSampler, steps_per_epoch
+from dpvr.privacy import calibrate
+from dpvr.privacy.events import DPSGDPlan
+from dpvr.tuning import TrialCount, tune
+from dpvr.tuning.independence import Independence
+
+DELTA = 1e-5
+
+
+def logistic(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(output.squeeze(-1), target)
+
+
+def _data(seed: int, n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    return x, (x[:, 0] > 0).double()
+
+
+X, Y = _data(0)
+XV, YV = _data(1)
+
+
+def _fresh() -> nn.Module:
+    return nn.Linear(3, 1).double()
+
+
+def _held_out(alg) -> float:
+    with torch.no_grad():
+        return -float(logistic(alg.model(XV), YV))
+
+
+def _counting(runs: list[int]):
+    def train(alg) -> None:
+        runs.append(id(alg))
+        alg.run()
+
+    return train
+
+
+# ---- 6. tune(): independent trials ---------------------------------------------------------------------
+
+
+def test_a_build_that_closes_over_one_model_is_refused_before_any_trial_runs() -> None:
+    """The reviewed bug: every trial trained the same model, so the released "best" trial was the last of
+    K chained runs. tune() refuses such a build before a single trial touches the data."""
+    torch.manual_seed(0)
+    shared = _fresh()
+    runs: list[int] = []
+
+    def build(lr, privacy):
+        return DPGD(shared, logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
+
+    with pytest.raises(
+        ValueError, match=r"the build of candidate 1.0 shares its model with the build of candidate 0.1"
+    ):
+        tune(
+            build,
+            [0.1, 1.0],
+            epsilon=1.0,
+            delta=DELTA,
+            score=_held_out,
+            trials_mean=4,
+            seed=0,
+            train=_counting(runs),
+        )
+    assert runs == []
+
+
+def test_a_per_candidate_cache_of_models_is_refused_before_any_trial_runs() -> None:
+    cache: dict[float, nn.Module] = {}
+    runs: list[int] = []
+
+    def build(lr, privacy):
+        torch.manual_seed(0)
+        return DPGD(cache.setdefault(lr, _fresh()), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
+
+    with pytest.raises(ValueError, match=r"a second build of candidate 0.1 shares its model with the build"):
+        tune(
+            build,
+            [0.1, 1.0],
+            epsilon=1.0,
+            delta=DELTA,
+            score=_held_out,
+            trials_mean=4,
+            seed=0,
+            train=_counting(runs),
+        )
+    assert runs == []
+
+
+def test_a_trial_that_reuses_an_earlier_trials_model_is_refused_before_it_runs() -> None:
+    """Independent at the probes, chained later: a pool of three models handed out in turn. The fourth trial
+    gets the first trial's (trained) model and is refused before it runs."""
+    torch.manual_seed(0)
+    pool = [_fresh() for _ in range(3)]
+    calls = itertools.count()
+    runs: list[int] = []
+
+    def build(lr, privacy):
+        return DPGD(pool[next(calls) % 3], logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
+
+    # seed 1 draws K >= 4 for a geometric count of mean 10 (checked below); the probes use calls 0, 1, 2
+    assert TrialCount.make("negative-binomial", 10.0).draw(np.random.default_rng(1)) >= 4
+    with pytest.raises(ValueError, match=r"trial 4 shares its model with trial 1"):
+        tune(
+            build,
+            [0.1, 1.0],
+            epsilon=1.0,
+            delta=DELTA,
+            score=_held_out,
+            trials_mean=10,
+            seed=1,
+            train=_counting(runs),
+        )
+    assert len(runs) == 3
+
+
+def test_shared_optimizer_noise_generator_or_buffer_is_refused() -> None:
+    dummy = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.SGD([dummy], lr=0.1)
+
+    def with_optimizer(clip, privacy):
+        model = _fresh()
+        optimizer.param_groups[0]["params"] = list(model.parameters())
+        return DPGD(model, logistic, X, Y, clip=clip, steps=2, optimizer=optimizer, privacy=privacy)
+
+    with pytest.raises(ValueError, match="shares its optimizer"):
+        tune(with_optimizer, [0.5, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3, seed=0)
+
+    runtime = RuntimeConfig(generator=NoiseGenerator(5, reproducible=True))
+
+    def with_generator(lr, privacy):
+        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy, runtime=runtime)
+
+    with pytest.raises(ValueError, match="noise generator"):
+        tune(with_generator, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3, seed=0)
+
+    def same_seed(lr, privacy):
+        noise = RuntimeConfig(generator=NoiseGenerator(5, reproducible=True))
+        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy, runtime=noise)
+
+    with pytest.raises(ValueError, match="noise seed"):
+        tune(same_seed, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3, seed=0)
+
+    scale = torch.ones(1, dtype=torch.float64)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = _fresh()
+            self.register_buffer("scale", scale)  # one tensor for every model
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.linear(inputs) * self.scale
+
+    def with_buffer(lr, privacy):
+        return DPGD(Scaled(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
+
+    with pytest.raises(ValueError, match="buffer 'scale'"):
+        tune(with_buffer, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3, seed=0)
+
+
+def test_a_parameter_over_shared_storage_or_carried_optimizer_state_is_refused() -> None:
+    """Tensor-level sharing behind fresh objects: a new Parameter over one tensor in every model (refused at
+    the probes), and an optimizer warm-started from the previous trial's state (refused before trial 2)."""
+    weight = torch.zeros(1, 3, dtype=torch.float64)
+
+    def rewrapped(lr, privacy):
+        model = _fresh()
+        model.weight = nn.Parameter(weight)  # a new Parameter object, the same storage
+        return DPGD(model, logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
+
+    with pytest.raises(ValueError, match=r"shares parameter 'weight' with the build of candidate 0.1"):
+        tune(rewrapped, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3, seed=0)
+
+    optimizers: list[torch.optim.Optimizer] = []
+    runs: list[int] = []
+
+    def warm_started(clip, privacy):
+        model = _fresh()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        if optimizers:
+            optimizer.load_state_dict(optimizers[-1].state_dict())  # keeps the earlier state's tensors
+        optimizers.append(optimizer)
+        return DPGD(model, logistic, X, Y, clip=clip, steps=2, optimizer=optimizer, privacy=privacy)
+
+    assert TrialCount.make("negative-binomial", 6.0).draw(np.random.default_rng(1)) >= 2
+    with pytest.raises(ValueError, match=r"trial 2 shares optimizer state '\w+' of parameter 0 with trial 1"):
+        tune(
+            warm_started,
+            [0.5, 1.0],
+            epsilon=1.0,
+            delta=DELTA,
+            score=_held_out,
+            trials_mean=6,
+            seed=1,
+            train=_counting(runs),
+        )
+    assert len(runs) == 1
+
+
+def test_storage_left_by_a_finished_trial_is_recognised_after_its_tensors_are_gone() -> None:
+    """A new Parameter over storage the build keeps (an earlier trial trained it, and that trial's objects
+    are gone): the trial starts from the earlier one's result, which is refused; a fresh tensor that merely
+    lands at a freed address is not."""
+    storage = torch.zeros(1, 3, dtype=torch.float64)
+    tracker = Independence()
+
+    def trial(weight: torch.Tensor | None) -> DPGD:
+        model = _fresh()
+        if weight is not None:
+            model.weight = nn.Parameter(weight)
+        return DPGD(model, logistic, X, Y, lr=1.0, clip=1.0, steps=2, noise=1.0)
+
+    first = trial(storage)
+    started = tracker.admit(first, "trial 1")
+    first.run()
+    tracker.finish(started)
+    del first, started
+    gc.collect()
+    with pytest.raises(ValueError, match="holds what trial 1 left in its parameter 'weight'"):
+        tracker.admit(trial(storage), "trial 2")
+
+    fresh = Independence()
+    first = trial(None)
+    started = fresh.admit(first, "trial 1")
+    first.run()
+    fresh.finish(started)
+    del first, started
+    gc.collect()
+    for index in range(2, 6):  # whether or not the allocator hands out the freed addresses again
+        fresh.finish(fresh.admit(trial(None), f"trial {index}"))
+
+
+def test_independent_trials_pass_and_the_released_model_is_the_best_trials_own() -> None:
+    after_run: dict[int, list[torch.Tensor]] = {}
+
+    def build(lr, privacy):
+        torch.manual_seed(0)
+        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=3, privacy=privacy)
+
+    def train(alg) -> None:
+        alg.run()
+        after_run[id(alg)] = [p.detach().clone() for p in alg.model.parameters()]
+
+    result = tune(
+        build, [0.05, 0.5, 2.0], epsilon=2.0, delta=DELTA, score=_held_out, trials_mean=6, seed=1, train=train
+    )
+    assert result.trials_drawn >= 2
+    for p, q in zip(result.algorithm.model.parameters(), after_run[id(result.algorithm)]):
+        assert torch.equal(p, q)  # no later trial wrote into the released model
+
+
+# ---- 6. tune(): running time independent of K ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "distribution, shape",
+    [("poisson", None), ("negative-binomial", 0.0), ("negative-binomial", 1.0), ("negative-binomial", 2.5)],
+)
+def test_the_tail_of_the_trial_count_is_exact(distribution: str, shape: float | None) -> None:
+    count = TrialCount.make(distribution, 3.0, shape)
+    if distribution == "poisson":
+        pmf = [stats.poisson.pmf(k, 3.0) for k in range(400)]
+    else:
+        gamma = count.gamma
+        if shape == 0:
+            pmf = [0.0] + [(1 - gamma) ** k / (k * -math.log(gamma)) for k in range(1, 400)]
+        else:
+            pmf = [0.0] + [
+                (1 - gamma) ** k / (gamma**-shape - 1) * math.prod((i + shape) / (i + 1) for i in range(k))
+                for k in range(1, 400)
+            ]
+    for cap in (1, 3, 10, 30):
+        assert count.tail(cap) == pytest.approx(sum(pmf[cap + 1 :]), rel=1e-9, abs=1e-300)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 4])  # K = 2, 0 and 3
+def test_constant_time_runs_max_trials_whatever_k_is_and_charges_the_cap(seed: int) -> None:
+    runs: list[int] = []
+    cap = 14
+
+    def build(lr, privacy):
+        torch.manual_seed(0)
+        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=1, privacy=privacy)
+
+    result = tune(
+        build,
+        [0.1, 1.0],
+        epsilon=2.0,
+        delta=DELTA,
+        score=_held_out,
+        trials_mean=2,
+        distribution="poisson",
+        seed=seed,
+        train=_counting(runs),
+        constant_time=True,
+        max_trials=cap,
+    )
+    assert len(runs) == cap  # every search runs the cap, so its running time does not depend on K
+    assert len(result.trials) == min(result.trials_drawn, cap)  # only the first K are candidates
+    if result.trials:
+        assert result.best in {t.candidate for t in result.trials}
+    else:
+        assert result.best is None and result.algorithm is None
+    tail = (1 + math.exp(2.0)) * TrialCount.make("poisson", 2.0).tail(cap)
+    assert result.accountant.failure_probability == pytest.approx(tail, rel=1e-12)
+    assert result.epsilon <= 2.0 and result.accountant.epsilon(DELTA) <= 2.0 * (1 + 1e-9)
+    assert result.to_dict()["max_trials"] == cap
+
+
+def test_constant_time_refuses_a_cap_whose_tail_exceeds_delta_and_picks_one_by_default() -> None:
+    def build(lr, privacy):
+        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=1, privacy=privacy)
+
+    with pytest.raises(ValueError, match="max_trials"):
+        tune(
+            build,
+            [0.1],
+            epsilon=1.0,
+            delta=DELTA,
+            score=_held_out,
+            trials_mean=2,
+            distribution="poisson",
+            seed=0,
+            constant_time=True,
+            max_trials=3,
+        )
+    with pytest.raises(ValueError, match="constant_time"):
+        tune(build, [0.1], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=2, seed=0, max_trials=3)
+    runs: list[int] = []
+    result = tune(
+        build,
+        [0.1],
+        epsilon=1.0,
+        delta=DELTA,
+        score=_held_out,
+        trials_mean=2,
+        distribution="poisson",
+        seed=0,
+        train=_counting(runs),
+        constant_time=True,
+    )
+    count = TrialCount.make("poisson", 2.0)
+    cap = result.max_trials
+    assert len(runs) == cap
+    assert (1 + math.e) * count.tail(cap) <= DELTA / 10 < (1 + math.e) * count.tail(cap - 1)
+
+
+# ---- 7. evaluate(): released iterates only --------------------------------------------------------------
+
+
+def _last_iterate_trainer() -> dpvr.PrivateTrainer:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True)
+    y = (torch.rand(40, generator=g) < 0.5).double()
+    torch.manual_seed(0)
+    return dpvr.make_private(
+        nn.Linear(6, 1).double(),
+        logistic,
+        TensorDataset(x, y),
+        algorithm="last-iterate",
+        epsilon=1.0,
+        batch_size=10,
+        epochs=5,
+        clip=math.sqrt(2),
+        lr=1.0,
+        weak_convexity=0.0,
+        smoothness=0.5,
+    )
+
+
+def test_last_iterate_refuses_callbacks_on_intermediate_iterates() -> None:
+    """Under the last-iterate bound only the final iterate is released: a callback every few steps saw 19
+    unreleased iterates of this 20-step run (in the review: 400, exact epsilon 1.81 against 1.00)."""
+    trainer = _last_iterate_trainer()
+    seen: list[int] = []
+    for every in (1, 5, 10):
+        with pytest.raises(ValueError, match="last iterate"):
+            trainer.evaluate(lambda t, info: seen.append(t.steps_done), every=every)
+    trainer.evaluate(lambda t, info: seen.append(t.steps_done), every=trainer.total_steps)
+    assert not trainer.released
+    infos = list(trainer)
+    assert seen == [trainer.total_steps] == [20]
+    assert trainer.released
+    # The step information reveals nothing about an intermediate iterate (no step length, no loss).
+    assert all(set(info) <= {"step", "batch", "nonfinite"} for info in infos)
+
+
+def test_sampled_trainers_release_every_iterate() -> None:
+    dataset = TensorDataset(X.float(), Y.float())
+    trainer = dpvr.make_private(
+        nn.Linear(3, 1), logistic, dataset, algorithm="dp-gd", epsilon=1.0, steps=3, clip=1.0, lr=0.5
+    )
+    seen: list[int] = []
+    trainer.evaluate(lambda t, info: seen.append(t.steps_done), every=1)
+    assert trainer.released
+    trainer.run()
+    assert seen == [1, 2, 3]
+
+
+# ---- 11. random-allocation epochs ------------------------------------------------------------------------
+
+
+def test_one_epoch_of_random_allocation_is_charged_as_one() -> None:
+    """n = 100, b = 14: the sampler's epoch is round(100/14) = 7 steps; ceil gave 8, a second (partial)
+    epoch, and 2.14 times the clip radius of noise against the 1.66 one epoch needs at epsilon 1."""
+    n, b = 100, 14
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    y = (x[:, 0] > 0).float()
+    torch.manual_seed(0)
+    trainer = dpvr.make_private(
+        nn.Linear(3, 1),
+        logistic,
+        TensorDataset(x, y),
+        algorithm="dp-sgd",
+        epsilon=1.0,
+        batch_size=b,
+        epochs=1,
+        clip=1.0,
+        lr=0.1,
+        sampling="random-allocation",
+    )
+    sampler = trainer.algorithm.sampler
+    assert trainer.steps_per_epoch == trainer.total_steps == sampler.steps_per_epoch == 7
+    direct = calibrate(
+        DPSGDPlan(steps=7, sampling="random-allocation", batch_size=b, dataset_size=n),
+        1.0,
+        DELTA,
+        accountant="pld",
+    )
+    assert trainer.algorithm.noise["gradient"] == pytest.approx(direct["gradient"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "scheme, n, b, expected",
+    [
+        ("random-allocation", 100, 14, 7),
+        ("random-allocation", 100, 15, 7),
+        ("random-allocation", 10, 10, 1),
+        ("poisson", 100, 14, 8),
+        ("wor", 100, 25, 4),
+        ("cyclic", 40, 10, 4),
+        ("full", 100, None, 1),
+    ],
+)
+def test_the_epoch_is_the_samplers(scheme: str, n: int, b: int | None, expected: int) -> None:
+    assert steps_per_epoch(scheme, n, b) == expected
+    sampler = BatchSampler(scheme, n, b, seed=0)
+    if scheme == "random-allocation":
+        assert sampler.steps_per_epoch == expected
+    drawn = np.concatenate([sampler.draw() for _ in range(expected)])
+    if scheme in ("random-allocation", "cyclic", "full"):  # one epoch uses every record exactly once
+        assert sorted(drawn.tolist()) == list(range(n))
+    with pytest.raises(ValueError, match="divide"):
+        steps_per_epoch("cyclic", 40, 7)
