@@ -411,12 +411,8 @@ def test_an_adversarial_record_attains_the_charged_sensitivity(name):
 
 
 # ---- resume ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@given(data=st.data())
-@settings(GENERATED, max_examples=2)
-def test_a_resumed_run_releases_what_the_uninterrupted_run_releases(name, data):
-    """Checkpoint after some steps, rebuild, load, continue, noise on: the releases, batches and accountant
-    after the resume point are bit-identical to the uninterrupted run's."""
+def _resume_case(name, data):
+    """A generated configuration of ``name``, its original dataset and a checkpoint step within the run."""
     config = data.draw(CONFIGS[name](), label="config")
     spec = ALGORITHMS[name]
     original = harness.neighbours(spec.task, config).original
@@ -426,7 +422,16 @@ def test_a_resumed_run_releases_what_the_uninterrupted_run_releases(name, data):
         assert config["relation"] == ADD_REMOVE, f"refused {config}: {refused}"
         reject()
     assume(total >= 2)
-    at = data.draw(st.integers(1, total - 1), label="resume after")
+    return spec, config, original, data.draw(st.integers(1, total - 1), label="checkpoint after")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@given(data=st.data())
+@settings(GENERATED, max_examples=2)
+def test_a_resumed_run_releases_what_the_uninterrupted_run_releases(name, data):
+    """Checkpoint after some steps, rebuild, load, continue, noise on: the releases, batches and accountant
+    after the resume point are bit-identical to the uninterrupted run's."""
+    spec, config, original, at = _resume_case(name, data)
     problems = harness.resume_differences(spec, config, original, at)
     assert not problems, "\n".join(problems)
 
@@ -438,16 +443,7 @@ def test_a_resume_from_an_older_checkpoint_charges_both_branches(name, data):
     """Run to the end with a checkpoint on the way, then resume that older checkpoint and run to the end
     again: the accountant charges every release of both branches (the first branch's after the checkpoint
     from the run's ledger), and the re-run draws fresh batches."""
-    config = data.draw(CONFIGS[name](), label="config")
-    spec = ALGORITHMS[name]
-    original = harness.neighbours(spec.task, config).original
-    try:
-        total = spec.build(original, config).total_steps
-    except ValueError as refused:
-        assert config["relation"] == ADD_REMOVE, f"refused {config}: {refused}"
-        reject()
-    assume(total >= 2)
-    at = data.draw(st.integers(1, total - 1), label="checkpoint after")
+    spec, config, original, at = _resume_case(name, data)
     problems = harness.older_resume_problems(spec, config, original, at)
     assert problems is None or not problems, "\n".join(problems)
 

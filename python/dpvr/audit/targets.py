@@ -107,30 +107,41 @@ def _calibrated(
     return dict(noise) if attribute == "noise" else {s: plan.sigma(z, s) for s, z in noise.items()}
 
 
-def dp_gd(epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPGD, **noise: float) -> Game:
-    """DP-GD, replace-one: the canary (gradient ``+C e``) vs its mirror (``-C e``), 8 records, 2 steps."""
-    data = white_box_records(8, canary=(1.0, 0.0), neighbour=(-1.0, 0.0))
+def _gradient_canary_game(
+    name: str,
+    cls: type,
+    algorithm: type,
+    epsilon: float,
+    delta: float,
+    noise: dict[str, float],
+    *,
+    neighbour: tuple[float, float] | None,
+    accountant: str,
+    **settings: Any,
+) -> Game:
+    """A DP-(S)GD game on 8 one-feature records: the canary (gradient ``+C e``, C = 1) against its mirror
+    (``-C e``) or its removal (``neighbour=None``), lr 1, scored by how far the last iterate moved against
+    ``e``; ``settings`` are the algorithm's own (steps, sampling, ...). The noise is ``noise_multiplier`` or
+    what the real ``cls`` calibrates for ``epsilon``."""
+    data = white_box_records(8, canary=(1.0, 0.0), neighbour=neighbour)
 
     def build(cls, generator, seed, side=0, epsilon=None, **options):
         x, y = data[side]
         return cls(
-            scalar_model(),
-            canary_loss,
-            x,
-            y,
-            lr=1.0,
-            clip=1.0,
-            steps=2,
-            **_configs(generator, seed, delta, "pld", epsilon),
-            **options,
-        )
+            scalar_model(), canary_loss, x, y, lr=1.0, clip=1.0, **settings,
+            **_configs(generator, seed, delta, accountant, epsilon), **options,
+        )  # fmt: skip
 
-    z = noise.get("noise_multiplier") or _calibrated(DPGD, build, epsilon, delta)["gradient"]
+    z = noise.get("noise_multiplier") or _calibrated(cls, build, epsilon, delta)["gradient"]
     return AlgorithmGame(
-        "DP-GD",
-        delta,
-        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
-        descent_score([1.0]),
+        name, delta, lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z), descent_score([1.0])
+    )
+
+
+def dp_gd(epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPGD, **noise: float) -> Game:
+    """DP-GD, replace-one: the canary (gradient ``+C e``) vs its mirror (``-C e``), 8 records, 2 steps."""
+    return _gradient_canary_game(
+        "DP-GD", DPGD, algorithm, epsilon, delta, noise, neighbour=(-1.0, 0.0), accountant="pld", steps=2
     )
 
 
@@ -138,31 +149,11 @@ def dp_sgd(
     epsilon: float = 2.0, delta: float = DEFAULT_DELTA, algorithm: type = DPSGD, **noise: float
 ) -> Game:
     """DP-SGD, Poisson sampling (rate 1/2), add/remove: the canary in or removed, 8 records, 2 steps."""
-    data = white_box_records(8, canary=(1.0, 0.0), neighbour=None)
-
-    def build(cls, generator, seed, side=0, epsilon=None, **options):
-        x, y = data[side]
-        return cls(
-            scalar_model(),
-            canary_loss,
-            x,
-            y,
-            lr=1.0,
-            clip=1.0,
-            steps=2,
-            batch_size=len(data[0][0]) // 2,  # a public normaliser: the same without the canary
-            sampling="poisson",
-            **_configs(generator, seed, delta, "rdp", epsilon),
-            **options,
-        )
-
-    z = noise.get("noise_multiplier") or _calibrated(DPSGD, build, epsilon, delta)["gradient"]
-    return AlgorithmGame(
-        "DP-SGD",
-        delta,
-        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
-        descent_score([1.0]),
-    )
+    return _gradient_canary_game(
+        "DP-SGD", DPSGD, algorithm, epsilon, delta, noise, neighbour=None, accountant="rdp", steps=2,
+        batch_size=4,  # a public normaliser: the same without the canary
+        sampling="poisson",
+    )  # fmt: skip
 
 
 def last_iterate(
@@ -172,33 +163,10 @@ def last_iterate(
     ``+C e``) vs its mirror (``-C e``), 8 records in cyclic batches of 4, two passes. The losses are linear
     (0-weakly convex, 0-smooth), so the last-iterate bound applies at any step size; the score reads only the
     last iterate, the one release the bound covers."""
-    data = white_box_records(8, canary=(1.0, 0.0), neighbour=(-1.0, 0.0))
-
-    def build(cls, generator, seed, side=0, epsilon=None, **options):
-        x, y = data[side]
-        return cls(
-            scalar_model(),
-            canary_loss,
-            x,
-            y,
-            lr=1.0,
-            clip=1.0,
-            steps=4,
-            batch_size=4,
-            sampling="cyclic",
-            weak_convexity=0.0,
-            smoothness=0.0,
-            **_configs(generator, seed, delta, "rdp", epsilon),
-            **options,
-        )
-
-    z = noise.get("noise_multiplier") or _calibrated(DPSGD, build, epsilon, delta)["gradient"]
-    return AlgorithmGame(
-        "last-iterate",
-        delta,
-        lambda side, gen, seed: build(algorithm, gen, seed, side, noise=z),
-        descent_score([1.0]),
-    )
+    return _gradient_canary_game(
+        "last-iterate", DPSGD, algorithm, epsilon, delta, noise, neighbour=(-1.0, 0.0), accountant="rdp",
+        steps=4, batch_size=4, sampling="cyclic", weak_convexity=0.0, smoothness=0.0,
+    )  # fmt: skip
 
 
 def _diff2(routine: str, epsilon: float, delta: float, algorithm: type, noise: dict[str, float]) -> Game:
