@@ -343,7 +343,7 @@ def build_private_diff(data: Shard, config: Config) -> PrivateAlgorithm:
         o["restart"],
         o["y_steps"],
         o.get("sampling", "wor"),
-        y_release="ascent",
+        y_release=o.get("y_release", "ascent"),
     )
     noise = _noise(plan.streams, config)
     model = MINIMAX.model(config.get("bias", True))

@@ -211,6 +211,11 @@ def private_diff_configs(draw, edge: str | None = None) -> dict:
     }
     if edge == "radius-0":
         options.update(lr=TINY_LR, clip={**options["clip"], "difference": (1.0, 0.0)})
+    if edge != "one-pass" and draw(st.booleans(), label="y by output perturbation"):
+        # y solved over every record to a certified tolerance and released once per round (its y_steps cap
+        # the solver's iterations; lr_y is the problem's 1/L)
+        del options["clip"]["y"], options["lr_y"]
+        options.update(y_release="output", y_steps=50)
     return {**config, "options": options}
 
 
@@ -446,6 +451,23 @@ def test_a_resume_from_an_older_checkpoint_charges_both_branches(name, data):
     spec, config, original, at = _resume_case(name, data)
     problems = harness.older_resume_problems(spec, config, original, at)
     assert problems is None or not problems, "\n".join(problems)
+
+
+# ---- output releases ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("adversary", ["opposed", "huge", "nan"])
+def test_private_diff_output_y_within_its_certified_sensitivity(adversary):
+    """PrivateDiff's y by output perturbation: on the original's released history, the neighbour's certified
+    y moves by at most the worst-case sensitivity charged, and the accountant charges one y per round."""
+    config = {
+        "n": 6, "seed": 0, "index": 1, "adversary": adversary, "relation": REPLACE_ONE,
+        "options": {"sampling": "wor", "batch_size": 3, "steps": 3, "restart": 2, "y_steps": 50,
+                    "y_release": "output", "lr": 0.1,
+                    "clip": {"checkpoint": 0.5, "difference": (1.0, 0.05)}},
+    }  # fmt: skip
+    outcome = _lockstep("PrivateDiff", config)
+    harness.assert_within_sensitivity(outcome)
+    harness.assert_accounting_matches(ALGORITHMS["PrivateDiff"], outcome)
+    assert sum(c.stream == "y" for c in outcome.comparisons) == 3
 
 
 # ---- phased output perturbation -------------------------------------------------------------------------
