@@ -50,6 +50,12 @@ def _held_out(alg) -> float:
         return -float(logistic(alg.model(XV), YV))
 
 
+def _tune(build, candidates, *, mean, seed, runs):
+    """``tune`` at epsilon 1 on the held-out score, counting the trials that ran into ``runs``."""
+    return tune(build, candidates, epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=mean, seed=seed,
+                train=_counting(runs))  # fmt: skip
+
+
 def _counting(runs: list[int]):
     def train(alg) -> None:
         runs.append(id(alg))
@@ -74,16 +80,7 @@ def test_a_build_that_closes_over_one_model_is_refused_before_any_trial_runs() -
     with pytest.raises(
         ValueError, match=r"the build of candidate 1.0 shares its model with the build of candidate 0.1"
     ):
-        tune(
-            build,
-            [0.1, 1.0],
-            epsilon=1.0,
-            delta=DELTA,
-            score=_held_out,
-            trials_mean=4,
-            seed=0,
-            train=_counting(runs),
-        )
+        _tune(build, [0.1, 1.0], mean=4, seed=0, runs=runs)
     assert runs == []
 
 
@@ -96,16 +93,7 @@ def test_a_per_candidate_cache_of_models_is_refused_before_any_trial_runs() -> N
         return DPGD(cache.setdefault(lr, _fresh()), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
 
     with pytest.raises(ValueError, match=r"a second build of candidate 0.1 shares its model with the build"):
-        tune(
-            build,
-            [0.1, 1.0],
-            epsilon=1.0,
-            delta=DELTA,
-            score=_held_out,
-            trials_mean=4,
-            seed=0,
-            train=_counting(runs),
-        )
+        _tune(build, [0.1, 1.0], mean=4, seed=0, runs=runs)
     assert runs == []
 
 
@@ -123,16 +111,7 @@ def test_a_trial_that_reuses_an_earlier_trials_model_is_refused_before_it_runs()
     # seed 1 draws K >= 4 for a geometric count of mean 10 (checked below); the probes use calls 0, 1, 2
     assert TrialCount.make("negative-binomial", 10.0).draw(np.random.default_rng(1)) >= 4
     with pytest.raises(ValueError, match=r"trial 4 shares its model with trial 1"):
-        tune(
-            build,
-            [0.1, 1.0],
-            epsilon=1.0,
-            delta=DELTA,
-            score=_held_out,
-            trials_mean=10,
-            seed=1,
-            train=_counting(runs),
-        )
+        _tune(build, [0.1, 1.0], mean=10, seed=1, runs=runs)
     assert len(runs) == 3
 
 
@@ -207,16 +186,7 @@ def test_a_parameter_over_shared_storage_or_carried_optimizer_state_is_refused()
 
     assert TrialCount.make("negative-binomial", 6.0).draw(np.random.default_rng(1)) >= 2
     with pytest.raises(ValueError, match=r"trial 2 shares optimizer state '\w+' of parameter 0 with trial 1"):
-        tune(
-            warm_started,
-            [0.5, 1.0],
-            epsilon=1.0,
-            delta=DELTA,
-            score=_held_out,
-            trials_mean=6,
-            seed=1,
-            train=_counting(runs),
-        )
+        _tune(warm_started, [0.5, 1.0], mean=6, seed=1, runs=runs)
     assert len(runs) == 1
 
 

@@ -20,7 +20,11 @@ accountant then sets their common scale (:func:`_pld_scale`): a secant search in
 log-scale on a loss grid ten times coarser than the accountant's, a Richardson extrapolation of the coarse
 epsilon to the accountant's grid, and a confirmation there, where the run spends between ``(1 - 1e-3)
 epsilon`` and ``epsilon`` as the accountant composes it. A few PLD builds, about as fast as the RDP
-calibration for the usual noise levels.
+calibration for the usual noise levels. The confirmation is the accountant's own composition of the run (the
+same multiset of releases, the same canonical order, the same grid, coarsened as the accountant coarsens it
+for a release with little noise; :func:`~dpvr.privacy.accountant.pld_epsilon`), and its cached result is what
+the budget guard and the report of the run recorded release by release then read: no report can exceed the
+target a calibration met.
 
 ``shares="auto"`` chooses the split that minimises the error proxy of :mod:`dpvr.privacy.allocation` (the
 papers' variance terms, from public quantities only: the plan and ``dimensions={stream: length}``). At the
@@ -408,7 +412,9 @@ def _secant_root(
 #: times cheaper. A pessimistic connect-the-dots PLD (dp_accounting's, and dpvr's built from it) over-states
 #: epsilon by about ``k h^2`` on a grid of width ``h`` (``k`` depends on the run): the epsilon on the
 #: accountant's grid is predicted from the coarse one and one at half its width (Richardson extrapolation)
-#: to within a few 1e-5 relative. dpvr's random-allocation PLD keeps its own log grid on both.
+#: to within a few 1e-5 relative. dpvr's random-allocation PLD refines its own grids down to the loss grid, so
+#: its coarse epsilon is cheaper and higher too. Where the accountant coarsens its grid (little noise), the
+#: extrapolation is off and the search on the accountant's grid takes a few more steps.
 _COARSE_INTERVAL = 10 * PLD_DISCRETIZATION
 #: A PLD calibration spends between ``(1 - _PLD_RTOL) epsilon`` and ``epsilon`` on the accountant's grid; it
 #: aims at ``(1 - _PLD_RTOL / 20) epsilon``, which the extrapolation usually hits at the first try.
@@ -425,7 +431,9 @@ def _pld_scale(
     coarse grid; the extrapolated epsilon on the accountant's grid and the search's last slope then give the
     first guess there, where the same search goes on until epsilon lies in ``[(1 - _PLD_RTOL) epsilon,
     epsilon]`` (usually at once). That last PLD is composed as :class:`~dpvr.privacy.Accountant` composes a
-    run's ledger, so the calibrated run passes the budget guard release by release (and finds its PLDs built).
+    run's ledger, so the calibrated run passes the budget guard release by release and reports at most
+    ``epsilon`` (and finds its PLDs built). Guarantee: the returned noise spends at most ``epsilon`` at
+    ``delta`` as the accountant prices it, or a ``RuntimeError`` is raised.
     """
     require_supported(factory(noise).event, "pld", factory(noise).neighbouring)
     spent: dict[tuple[float, float], float] = {}  # epsilon by (log-scale, grid width)
