@@ -297,7 +297,7 @@ def _span(*laws: _Law, interval: float) -> float:
 def _sum_law(mu: float, t: int, up: bool, interval: float, precision: float) -> _Law:
     """The law of ``S'`` for ``S`` the sum of ``t`` one-coordinate terms, by binary doubling on the grids the
     precision target chooses (module docs)."""
-    spread = 1.0 / math.expm1(min(mu * mu, 700.0))  # 1 / c^2
+    spread = 1.0 / max(math.expm1(min(mu * mu, 700.0)), 1e-300)  # 1 / c^2
     splits = t.bit_length() + bin(t).count("1") - 1  # the base, the doublings and the accumulations
     width = mu * mu + 2 * _TAIL_SDS * mu
     power = _base(mu, t, up, _unit(1, spread, splits, precision, interval, width), interval)
