@@ -104,6 +104,20 @@ def test_an_in_memory_state_of_the_same_object_charges_what_followed_it():
     assert run.privacy_spent().epsilon == pytest.approx(epsilon_of(16), rel=1e-9)
 
 
+def test_an_in_memory_state_from_before_the_first_checkpoint_charges_what_followed_it(tmp_path):
+    """State at 2 (in memory), releases 3-4, a checkpoint (the run's ledger file from here), release 5:
+    loading the state charges 3, 4 (remembered) and 5 (from the file)."""
+    x, y = data()
+    run = dp_gd(x, y)
+    run.run(2)
+    state = run.state_dict()
+    run.run(2)
+    run.save_checkpoint(tmp_path / "c.ckpt")
+    run.run(1)
+    run.load_state_dict(state)
+    assert run.privacy_spent().epsilon == pytest.approx(epsilon_of(5), rel=1e-9)
+
+
 def test_no_two_releases_of_a_run_share_a_noise_key_across_resumes(tmp_path, monkeypatch):
     """Item 4: a key must never repeat within a run, whatever the signal, so that the device path (which
     does not hash the signal) is safe. Zero features make every signal identical (all zero): before the

@@ -83,8 +83,8 @@ class LedgerError(ValueError):
 class RunLedger:
     """The ledger of one run (see the module documentation).
 
-    In memory it keeps the releases this object made (every branch it ran); once :meth:`attach` has given
-    it a file, every release is also appended there before it is made."""
+    Until :meth:`attach` gives it a file it keeps the releases this object made (every branch it ran) in
+    memory; from then on every release is appended to the file before it is made, and read back from it."""
 
     def __init__(
         self, run: str | None = None, segment: str | None = None, seq: int = 0, branched: bool = False
@@ -108,7 +108,8 @@ class RunLedger:
         release = Release(self.seq + 1, self.segment, parts, event, replace)
         if self._file is not None:
             self._file.append(release.to_dict(self.run))
-        self._memory.append(release)
+        else:  # once there is a file it holds every release: memory would only grow with the run
+            self._memory.append(release)
         self.seq = release.seq
         return release
 
@@ -146,15 +147,16 @@ class RunLedger:
         }
 
     def releases_after(self, seq: int) -> list[Release]:
-        """Every release of the run numbered after ``seq``: from the file when there is one (all branches),
-        else from memory (this object's own releases)."""
+        """Every release of the run numbered after ``seq``: those this object made before the run had a file
+        (memory), then the file's (every branch since)."""
+        remembered = [r for r in self._memory if r.seq > seq]
         if self._file is None:
-            return [r for r in self._memory if r.seq > seq]
+            return remembered
         try:
             entries = self._file.entries()
             for entry in entries:
                 _check_run(entry, self.run, self._file.path)
-            return [r for r in map(Release.from_dict, entries) if r.seq > seq]
+            return remembered + [r for r in map(Release.from_dict, entries) if r.seq > seq]
         except LedgerError:
             raise
         except (ValueError, KeyError, TypeError) as err:
