@@ -1,91 +1,161 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: build dpvr with the CUDA backend, run the GPU tests, run compute-sanitizer
-# (memcheck, racecheck) over every kernel path, and benchmark the kernels.
+# The GPU visit in two stages, each planned to finish within 5 minutes on a 16-core machine with one GPU:
 #
-#   bench/gpu.sh            (from anywhere; results go to $OUT if set, else results/)
+#   bench/gpu.sh check    stage 1: build dpvr with the CUDA backend, run the GPU tests, run compute-sanitizer
+#                         (memcheck, racecheck) over a driver of every kernel path
+#   bench/gpu.sh bench    stage 2: the kernels against a device-to-device copy, torch eager and Opacus; one
+#                         full step (non-private, Opacus hooks and ghost, dpvr's make_private DP-SGD step and
+#                         its difference rounds) on the MLP, CNN and transformer cases, with host syncs;
+#                         each method's step under torch's profiler (kernels launched, device time)
+#   bench/gpu.sh all      both, one after the other
 #
-# Nothing is downloaded: python with torch (CUDA build), pytest, pybind11, cmake and the CUDA toolkit (nvcc,
-# compute-sanitizer) must already be installed. PYTHON picks the interpreter (default python3). The build is a
-# CMake dev build in build/gpu; the package is staged next to it, so nothing is installed into the environment.
+# DRY_RUN=1 runs either stage on a machine without a GPU: the same build (CUDA compiled in), the same Python
+# code paths on the CPU, and only the calls that need a device skipped; run it before a visit.
+#
+# Each stage writes its whole output to $OUT/gpu_<stage>.log (OUT defaults to results/) and its figures as JSON
+# beside it, and prints a one-line verdict last. Nothing is downloaded: python with torch, pytest, pybind11,
+# cmake and the CUDA toolkit must be installed; the packages a GPU image lacks travel as wheels
+# (bench/gpu_wheels.sh). PYTHON picks the interpreter (default python3). CUDAARCHS (default 90-real on a GPU
+# machine) picks the architectures compiled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+STAGE="${1:-all}"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-results}"
+DRY="${DRY_RUN:-0}"
 BUILD=build/gpu
-mkdir -p "$OUT_DIR"
+LOGS="$BUILD/logs"
+mkdir -p "$OUT_DIR" "$LOGS"
+case "$STAGE" in
+  check | bench) ;;
+  all)
+    "$0" check
+    first=$?
+    "$0" bench
+    second=$?
+    exit $((first > second ? first : second))
+    ;;
+  *) echo "usage: bench/gpu.sh check|bench|all" >&2; exit 2 ;;
+esac
+exec > >(tee "$OUT_DIR/gpu_$STAGE.log") 2>&1
 failures=()
+started=$SECONDS
 
-step() { printf '\n==== %s\n' "$*"; }
-need() {
-  if ! "$@" >/dev/null 2>&1; then
-    echo "bench/gpu.sh: missing prerequisite: $MISSING" >&2
-    exit 2
+step() { printf '\n==== [%3ds] %s\n' "$((SECONDS - started))" "$*"; }
+verdict() {
+  local seconds=$((SECONDS - started))
+  if [ "${#failures[@]}" -gt 0 ]; then
+    printf 'VERDICT gpu.sh %s: FAILED (%s) in %ds%s\n' "$STAGE" "$(IFS=';'; echo "${failures[*]}")" "$seconds" \
+      "$([ "$DRY" = 1 ] && echo ', dry run')"
+    exit 1
   fi
+  printf 'VERDICT gpu.sh %s: passed in %ds%s\n' "$STAGE" "$seconds" "$([ "$DRY" = 1 ] && echo ', dry run')"
+  exit 0
+}
+run() {  # run NAME SECONDS COMMAND...: the command's output into the stage log; a failure is recorded
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@"
+  local status=$?
+  [ "$status" -eq 0 ] || failures+=("$name (exit $status)")
+  return "$status"
 }
 
 step "prerequisites"
-MISSING="python with torch built for CUDA and a visible GPU" \
-  need "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
-MISSING="pytest (python -m pytest)" need "$PY" -m pytest --version
-MISSING="pybind11 (python -m pybind11)" need "$PY" -c "import pybind11"
-MISSING="cmake" need cmake --version
 if [ -n "${CUDA_HOME:-}" ]; then PATH="$CUDA_HOME/bin:$PATH"; fi
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then PATH="/usr/local/cuda/bin:$PATH"; fi
-MISSING="nvcc (set CUDA_HOME)" need nvcc --version
-"$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+for tool in cmake nvcc; do
+  command -v "$tool" >/dev/null || { failures+=("$tool missing"); verdict; }
+done
+"$PY" -c "import torch, pytest, pybind11" || { failures+=("python lacks torch, pytest or pybind11"); verdict; }
+if [ "$DRY" = 1 ]; then
+  "$PY" -c "import torch; print('dry run: torch', torch.__version__, 'on the CPU')"
+else
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
+    { failures+=("torch sees no GPU"); verdict; }
+  "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || true
+  export CUDAARCHS="${CUDAARCHS:-90-real}"
+fi
+nvcc --version | tail -1
 
-step "build (CMake, DPVR_CUDA=ON)"
+step "build (CMake, DPVR_CUDA=ON, $(nproc) jobs)"
 generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
-cmake -S . -B "$BUILD" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSKBUILD=ON -DDPVR_CUDA=ON \
+build_start=$SECONDS
+if ! cmake -S . -B "$BUILD" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSKBUILD=ON -DDPVR_CUDA=ON \
   -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" \
-  -DPython_EXECUTABLE="$(command -v "$PY")" >"$OUT_DIR/gpu_cmake.log" 2>&1 ||
-  { tail -30 "$OUT_DIR/gpu_cmake.log"; echo "bench/gpu.sh: cmake failed" >&2; exit 1; }
-cmake --build "$BUILD" -j "$(nproc)" 2>&1 | tail -5
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "bench/gpu.sh: build failed" >&2; exit 1; }
+  -DPython_EXECUTABLE="$(command -v "$PY")" >"$LOGS/cmake.log" 2>&1; then
+  tail -30 "$LOGS/cmake.log"; failures+=("cmake configure"); verdict
+fi
+if ! cmake --build "$BUILD" -j "$(nproc)" >"$LOGS/build.log" 2>&1; then
+  grep -E -m 30 "error|Error" "$LOGS/build.log"; tail -10 "$LOGS/build.log"; failures+=("build"); verdict
+fi
+grep -c -i "warning" "$LOGS/build.log" | xargs printf 'compiler warnings: %s\n'
+echo "built in $((SECONDS - build_start))s"
 rm -rf "$BUILD/pkg" && mkdir -p "$BUILD/pkg"
 cp -r python/dpvr "$BUILD/pkg/"
 rm -f "$BUILD"/pkg/dpvr/_C*.so
 cp "$BUILD"/_C*.so "$BUILD/pkg/dpvr/"
+# The staged package's metadata (dpvr reads its version from it), as an installation would write it.
+"$PY" - "$BUILD/pkg" <<'PY'
+import pathlib, sys, tomllib
+version = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["version"]
+info = pathlib.Path(sys.argv[1]) / f"dpvr-{version}.dist-info"
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: dpvr\nVersion: {version}\n")
+PY
 export PYTHONPATH="$PWD/$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import dpvr, sys; b = dpvr.backends(); print('dpvr', dpvr.__file__, b); sys.exit(0 if b['cuda_available'] else 1)" ||
-  { echo "bench/gpu.sh: the CUDA build does not see the GPU" >&2; exit 1; }
+"$PY" -c "import dpvr, sys; b = dpvr.backends(); print('dpvr', dpvr.__version__, dpvr.__file__, b)
+staged = dpvr.__file__.startswith('$PWD/$BUILD/pkg/')
+sys.exit(0 if (staged or '$DRY' == '1') and b['cuda_compiled'] and (b['cuda_available'] or '$DRY' == '1') else 1)" ||
+  { failures+=("the staged CUDA build is not the dpvr imported, or does not see the GPU"); verdict; }
+export PYTHONUNBUFFERED=1
 
-step "GPU tests"
-timeout 240 "$PY" -m pytest -m gpu tests/test_cuda.py -v -p no:cacheprovider 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -40
-[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("GPU tests")
+if [ "$STAGE" = check ]; then
+  step "GPU tests (tests/test_cuda.py, tests marked gpu)"
+  run "GPU tests" 150 "$PY" -m pytest -m gpu tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5 \
+    >"$LOGS/tests.log" 2>&1
+  tail -25 "$LOGS/tests.log"
 
-step "compute-sanitizer"
-sanitizer="$(command -v compute-sanitizer || true)"
-cuda_root="$(dirname "$(dirname "$(command -v nvcc)")")"
-for candidate in "$cuda_root/bin/compute-sanitizer" "$cuda_root/compute-sanitizer/compute-sanitizer"; do
-  if [ -z "$sanitizer" ] && [ -x "$candidate" ]; then sanitizer="$candidate"; fi
-done
-if [ -z "$sanitizer" ]; then
-  echo "compute-sanitizer not found (PATH, or next to nvcc): skipped" | tee "$OUT_DIR/gpu_sanitizer.log"
-  failures+=("compute-sanitizer missing")
-else
-  for tool in memcheck racecheck; do
-    echo "-- $tool"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 180 "$sanitizer" --tool "$tool" --kernel-name kns=dpvr \
-      --error-exitcode 1 "$PY" bench/cuda_sanitize.py >"$OUT_DIR/gpu_$tool.log" 2>&1
-    status=$?
-    tail -5 "$OUT_DIR/gpu_$tool.log"
-    [ "$status" -eq 0 ] || failures+=("compute-sanitizer $tool (exit $status)")
+  step "compute-sanitizer over bench/cuda_sanitize.py"
+  sanitizer="$(command -v compute-sanitizer || true)"
+  cuda_root="$(dirname "$(dirname "$(command -v nvcc)")")"
+  for candidate in "$cuda_root/bin/compute-sanitizer" "$cuda_root/compute-sanitizer/compute-sanitizer"; do
+    if [ -z "$sanitizer" ] && [ -x "$candidate" ]; then sanitizer="$candidate"; fi
   done
+  if [ "$DRY" = 1 ]; then
+    echo "dry run: the driver's Python compiles; the sanitizers need a GPU"
+    "$PY" -m py_compile bench/cuda_sanitize.py || failures+=("bench/cuda_sanitize.py does not compile")
+  elif [ -z "$sanitizer" ]; then
+    failures+=("compute-sanitizer not found")
+  else
+    for tool in memcheck racecheck; do
+      echo "-- $tool"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "compute-sanitizer $tool" 100 "$sanitizer" --tool "$tool" \
+        --kernel-name kns=dpvr --error-exitcode 1 "$PY" bench/cuda_sanitize.py >"$LOGS/$tool.log" 2>&1
+      tail -4 "$LOGS/$tool.log"
+    done
+  fi
+else
+  cli=("$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))')
+  step "benchmark: the kernels (dpvr bench kernels --device cuda)"
+  if [ "$DRY" = 1 ]; then
+    run "kernel benchmark (import)" 60 "$PY" -c "from dpvr.bench import cuda_kernels; print(cuda_kernels.markdown([]))"
+  else
+    run "kernel benchmark" 120 "${cli[@]}" bench kernels --device cuda --json "$OUT_DIR/bench_kernels_cuda.json"
+  fi
+  device=cuda quick=()
+  if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1); fi
+  for case in mlp cnn transformer; do
+    step "benchmark: one step, $case (dpvr bench step --device $device)"
+    run "step benchmark $case" 100 "${cli[@]}" bench step --device "$device" --case "$case" --memory "${quick[@]}" \
+      --json "$OUT_DIR/bench_step_${case}_$device.json"
+  done
+  step "profile: where each method's step time goes (bench/step_profile.py --device $device)"
+  rounds=5
+  if [ "$DRY" = 1 ]; then rounds=1; fi
+  run "step profile" 120 "$PY" bench/step_profile.py --device "$device" --rounds "$rounds" 2>&1 | grep -v "^USDT:"
 fi
-
-step "benchmark: dpvr bench kernels --device cuda"
-timeout 180 "$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))' \
-  bench kernels --device cuda --json "$OUT_DIR/bench_cuda.json" | tee "$OUT_DIR/bench_cuda.md"
-[ "${PIPESTATUS[0]}" -eq 0 ] || failures+=("dpvr bench kernels --device cuda")
-
-step "summary"
-echo "results in $OUT_DIR/"
-if [ "${#failures[@]}" -gt 0 ]; then
-  printf 'FAILED: %s\n' "${failures[@]}"
-  exit 1
-fi
-echo "all GPU checks passed"
+verdict

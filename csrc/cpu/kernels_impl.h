@@ -335,14 +335,8 @@ inline int64_t clip_accumulate(const ClipArgs& args, bool write) {
 
 // ---- Gaussian noise ----
 // Noise is generated a tile at a time: Philox blocks (the AVX2 copy evaluates four blocks per vector,
-// bit-identical to philox::block_at), their 53-bit uniforms (exactly philox::uniforms'), then Box-Muller:
-//   float64 noise: philox::box_muller, the math library's log, cos and sin - the reference transform, within
-//                  2 ulp of the CUDA backend's, and the one the statistical tests pin down;
-//   float32 noise: fast_box_muller below, the same formula with log, sin and cos inlined as fdlibm's
-//                  polynomials, so that the compiler vectorises it (the library calls cost 80 % of the
-//                  generator's time). It is within 3 ulp of the reference in double, so its float32 values are
-//                  the reference's rounded, except by one unit in the last place where the reference lies
-//                  within 3 double ulp of a float32 rounding boundary (about 1e-8 of the entries).
+// bit-identical to philox::block_at), their 53-bit uniforms (exactly philox::uniforms'), then philox::box_muller
+// in a loop the compiler vectorises; float32 noise is the float64 noise rounded.
 constexpr int64_t kNoiseTile = 4096;  // elements; even, so a Gaussian pair never straddles two tiles
 constexpr int64_t kTilePairs = kNoiseTile / 2;
 
@@ -388,22 +382,6 @@ inline void philox_blocks(const NoiseKey& key, uint64_t pair0, int64_t n, NoiseS
 #endif
 }
 
-// Bit casts (small functions, so that the compiler folds the copies and vectorises the loops using them).
-inline double from_bits(uint64_t bits) {
-  double d;
-  std::memcpy(&d, &bits, sizeof d);
-  return d;
-}
-
-inline uint64_t to_bits(double d) {
-  uint64_t bits;
-  std::memcpy(&bits, &d, sizeof bits);
-  return bits;
-}
-
-// The exact double of an integer below 2^52 (vectorises where an integer conversion would not).
-inline double small_integer(uint64_t x) { return from_bits(x | uint64_t{0x4330000000000000}) - 4503599627370496.0; }
-
 // philox::uniforms of pairs 0 .. n-1, with the same results.
 inline void uniforms(NoiseScratch& b, int64_t n) {
   constexpr double two_m53 = 1.0 / 9007199254740992.0, two_26 = 67108864.0;
@@ -412,68 +390,18 @@ inline void uniforms(NoiseScratch& b, int64_t n) {
     const uint64_t a = (static_cast<uint64_t>(b.w[0][p]) << 21) ^ (b.w[1][p] >> 11);
     const uint64_t c = (static_cast<uint64_t>(b.w[2][p]) << 21) ^ (b.w[3][p] >> 11);
     // a, c < 2^53: their 26-bit halves convert exactly, and so does the recombined sum.
-    b.u1[p] = (small_integer(a >> 26) * two_26 + small_integer(a & 0x3FFFFFF) + 0.5) * two_m53;
-    b.u2[p] = (small_integer(c >> 26) * two_26 + small_integer(c & 0x3FFFFFF)) * two_m53;
-  }
-}
-
-// Box-Muller on the uniforms of pairs 0 .. n-1 with fdlibm's log (e_log.c) and its sin and cos kernels (k_sin.c,
-// k_cos.c) on [-pi/4, pi/4], after reducing t = 2 pi u2 (computed as in the reference) by k pi/2, pi/2 in three
-// parts (k <= 4, so the first two products are exact). Branch-free: selects let the loop vectorise.
-inline void fast_box_muller(const double* u1s, const double* u2s, double* z, int64_t n) {
-  constexpr double Lg1 = 6.666666666666735130e-01, Lg2 = 3.999999999940941908e-01, Lg3 = 2.857142874366239149e-01,
-                   Lg4 = 2.222219843214978396e-01, Lg5 = 1.818357216161805012e-01, Lg6 = 1.531383769920937332e-01,
-                   Lg7 = 1.479819860511658591e-01;
-  constexpr double ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
-  constexpr double S1 = -1.66666666666666324348e-01, S2 = 8.33333333332248946124e-03,
-                   S3 = -1.98412698298579493134e-04, S4 = 2.75573137070700676789e-06,
-                   S5 = -2.50507602534068634195e-08, S6 = 1.58969099521155010221e-10;
-  constexpr double C1 = 4.16666666666666019037e-02, C2 = -1.38888888888741095749e-03,
-                   C3 = 2.48015872894767294178e-05, C4 = -2.75573143513906633035e-07,
-                   C5 = 2.08757232129817482790e-09, C6 = -1.13596475577881948265e-11;
-  constexpr double pio2_1 = 1.57079632673412561417e+00, pio2_2 = 6.07710050630396597660e-11,
-                   pio2_2t = 2.02226624879595063154e-21, two_over_pi = 6.36619772367581382433e-01;
-  constexpr double round_magic = 6755399441055744.0;  // 1.5 * 2^52: (x + magic) - magic rounds x to an integer
-#pragma omp simd
-  for (int64_t p = 0; p < n; ++p) {
-    const double u1 = u1s[p], u2 = u2s[p];
-    // log(u1): u1 = 2^e m with m in [sqrt(1/2), sqrt(2)); u1 is a normal number in (0, 1).
-    const uint64_t bits = to_bits(u1);
-    double m = from_bits((bits & uint64_t{0x000FFFFFFFFFFFFF}) | uint64_t{0x3FF0000000000000});
-    const bool high = m > 1.4142135623730951;
-    m *= high ? 0.5 : 1.0;
-    const double e = small_integer(bits >> 52) - 1023.0 + (high ? 1.0 : 0.0);
-    const double f = m - 1.0, s = f / (2.0 + f), s2 = s * s, s4 = s2 * s2;
-    const double odd = s4 * (Lg2 + s4 * (Lg4 + s4 * Lg6)), even = s2 * (Lg1 + s4 * (Lg3 + s4 * (Lg5 + s4 * Lg7)));
-    const double hfsq = 0.5 * f * f;
-    const double log_u1 = e * ln2_hi - ((hfsq - (s * (hfsq + (even + odd)) + e * ln2_lo)) - f);
-    const double r = std::sqrt(-2.0 * log_u1);
-    // sin and cos of t in [0, 2 pi): t = k pi/2 + x, |x| <= pi/4.
-    const double t = 6.283185307179586476925286766559 * u2;
-    const double k = (t * two_over_pi + round_magic) - round_magic;
-    const double x = ((t - k * pio2_1) - k * pio2_2) - k * pio2_2t, x2 = x * x;
-    const double sin_x = x + x2 * x * (S1 + x2 * (S2 + x2 * (S3 + x2 * (S4 + x2 * (S5 + x2 * S6)))));
-    const double cos_tail = x2 * x2 * (C1 + x2 * (C2 + x2 * (C3 + x2 * (C4 + x2 * (C5 + x2 * C6)))));
-    const double half = 0.5 * x2, one_minus = 1.0 - half;
-    const double cos_x = one_minus + (((1.0 - one_minus) - half) + cos_tail);
-    const double q = k - (k >= 4.0 ? 4.0 : 0.0);  // quadrant
-    const bool swap = q == 1.0 || q == 3.0;
-    const double cos_sign = (q == 1.0 || q == 2.0) ? -1.0 : 1.0, sin_sign = q >= 2.0 ? -1.0 : 1.0;
-    z[2 * p] = r * (cos_sign * (swap ? sin_x : cos_x));
-    z[2 * p + 1] = r * (sin_sign * (swap ? cos_x : sin_x));
+    b.u1[p] = (philox::small_integer(a >> 26) * two_26 + philox::small_integer(a & 0x3FFFFFF) + 0.5) * two_m53;
+    b.u2[p] = (philox::small_integer(c >> 26) * two_26 + philox::small_integer(c & 0x3FFFFFF)) * two_m53;
   }
 }
 
 // The Gaussians of `pairs` (<= kTilePairs) pairs from pair0 into b.z[0 .. 2 * pairs) (and up to six more values:
 // whole groups of four pairs are generated).
-inline void gaussians(const NoiseKey& key, uint64_t pair0, int64_t pairs, bool fast, NoiseScratch& b) {
+inline void gaussians(const NoiseKey& key, uint64_t pair0, int64_t pairs, NoiseScratch& b) {
   const int64_t n = (pairs + 3) / 4 * 4;
   philox_blocks(key, pair0, n, b);
   uniforms(b, n);
-  if (fast) {
-    fast_box_muller(b.u1, b.u2, b.z, n);
-    return;
-  }
+#pragma omp simd
   for (int64_t p = 0; p < n; ++p) philox::box_muller(b.u1[p], b.u2[p], b.z[2 * p], b.z[2 * p + 1]);
 }
 
@@ -495,7 +423,7 @@ void update(const UpdateArgs& a) {
     double sq = 0.0;
     for (int64_t tile = tiles * t / team; tile < tiles * (t + 1) / team; ++tile) {
       const int64_t lo = tile * kNoiseTile, hi = std::min(D, lo + kNoiseTile);
-      if (noise) gaussians(a.key, static_cast<uint64_t>(lo) >> 1, (hi - lo + 1) / 2, sizeof(T) == 4, *scratch);
+      if (noise) gaussians(a.key, static_cast<uint64_t>(lo) >> 1, (hi - lo + 1) / 2, *scratch);
       int64_t base = lo;
       for (const Piece& p : pieces_of(widths, lo, hi)) {
         T* v = static_cast<T*>(a.v[p.k].data);

@@ -1,4 +1,4 @@
-"""``dpvr bench step``: one full optimisation step, private and not, on three small models (CPU).
+"""``dpvr bench step``: one full optimisation step, private and not, on three small models (CPU or CUDA).
 
 Cases (``--case``):
   mlp           784-256-128-1 MLP, squared loss, B = 512;
@@ -10,10 +10,16 @@ Cases (``--case``):
 Methods, all timed in one run with the rounds interleaved (see :func:`~.timing.interleaved_median_ms`); each
 private method updates its own copy of the model, so one method's state never feeds another's:
   non-private                  forward, backward and SGD step (torch);
+  opacus-hooks-dp-sgd          Opacus' DP-SGD step with per-sample gradients from its hooks (GradSampleModule,
+                               DPOptimizer), on the same fixed model;
   opacus-ghost-dp-sgd          Opacus ghost-clipping DP-SGD step (GradSampleModuleFastGradientClipping) on
                                the model after ``ModuleValidator.fix`` (``nn.MultiheadAttention`` becomes
                                Opacus' ``DPMultiheadAttention``); where Opacus is missing or refuses the
                                model, a record says why;
+  dpvr-make-private-dp-sgd     a step of the trainer ``dpvr.make_private(..., algorithm="dp-sgd")`` returns:
+                               Poisson sampling (rate 1/4) of the case's four batches, the batch gathered,
+                               ghost clipping, the release admitted by the budget guard and written ahead to
+                               the run's ledger, the noisy update and the optimizer's step;
   dpvr-dp-sgd-ghost            dpvr DP-SGD step: GhostClipper.clipped_sum + fused noisy update and step (on
                                a batch that is the whole dataset, a DP-GD round);
   dpvr-diff2-ghost             a DIFF2-GD difference round on the full batch: the clipped sum of same-sample
@@ -27,10 +33,15 @@ private method updates its own copy of the model, so one method's state never fe
   dpvr-diff2-materialised      (mlp only) the full-batch round from materialised per-sample gradients at
                                both points (per_sample_grads_at_two_points + clip_accumulate_diff).
 
-Every timed record has ``ms`` and ``ratio_vs_non_private``; dpvr's records also ``ratio_vs_opacus_ghost`` and
-``native_share``, the fraction of the step spent inside the native core (measured on separate rounds with
-every call into ``dpvr._C`` timed). With ``memory``, every record also has ``peak_mib``, the peak tensor
-memory one step allocates above what was live before it (:func:`~.timing.peak_bytes`), and its ratios.
+Every timed record has ``ms`` and ``ratio_vs_non_private``; dpvr's records also ``ratio_vs_opacus_ghost``,
+``ratio_vs_opacus_hooks`` and, on the CPU, ``native_share``, the fraction of the step spent inside the native
+core (measured on separate rounds with every call into ``dpvr._C`` timed). On CUDA every round ends with a
+device synchronisation (the time is the step's, not its launches'), and every record has ``host_syncs``: the
+synchronisations one step makes the host wait for, counted by torch's sync debug mode (reads such as
+``float(t)`` and ``t.item()``; the native core's own wait, under ``nonfinite="raise"`` only, is not among
+them), and ``host_sync_sites``, the lines that made them. With ``memory``, every record also has
+``peak_mib``, the peak tensor memory one step allocates above what was live before it
+(:func:`~.timing.peak_bytes`), and its ratios.
 """
 
 from __future__ import annotations
@@ -38,9 +49,11 @@ from __future__ import annotations
 import copy
 import math
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import cycle
 
 import torch
@@ -50,7 +63,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..grads import GhostClipper, per_sample_grads_at_two_points
 from ..results import Record
-from .timing import interleaved_median_ms, peak_bytes
+from .timing import device_sync, host_syncs, interleaved_median_ms, peak_bytes
 
 CASES = ("mlp", "cnn", "transformer")
 CLIP, CLIP2, SIGMA, LR = 1.0, 10.0, 1.0, 0.05
@@ -128,12 +141,24 @@ class Case:
         return len(self.batches[0][0])
 
     @property
+    def device(self) -> torch.device:
+        return self.batches[0][0].device
+
+    @property
     def label(self) -> str:
-        return f"{self.name}/B={self.batch}/cpu"
+        return f"{self.name}/B={self.batch}/{self.device.type}"
 
 
-def make_case(name: str, batch: int | None = None) -> Case:
-    """The case ``name`` (one of :data:`CASES`) with its default batch size unless ``batch`` is given."""
+def make_case(name: str, batch: int | None = None, device: str = "cpu") -> Case:
+    """The case ``name`` (one of :data:`CASES`) with its default batch size unless ``batch`` is given, its
+    model and data on ``device``."""
+    case = _make_case(name, batch)
+    case.model.to(device)
+    case.batches = [(x.to(device), y.to(device)) for x, y in case.batches]
+    return case
+
+
+def _make_case(name: str, batch: int | None) -> Case:
     torch.manual_seed(0)
     if name == "mlp":
         b = batch or BATCH
@@ -158,6 +183,49 @@ def _non_private(model: nn.Module, case: Case) -> Callable[[], None]:
         optimizer.zero_grad(set_to_none=True)
         case.criterion(model(x), y).backward()
         optimizer.step()
+
+    return step
+
+
+def _opacus_hooks(model: nn.Module, case: Case) -> Callable[[], None] | str:
+    """Opacus' DP-SGD step with hook-computed per-sample gradients, or why there is none."""
+    try:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+        from opacus.validators import ModuleValidator
+    except ImportError:
+        return "opacus is not installed"
+    x, y = case.batches[0]
+    try:
+        module = GradSampleModule(ModuleValidator.fix(model), loss_reduction="mean")
+        optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA,
+                                max_grad_norm=CLIP, expected_batch_size=case.batch, loss_reduction="mean")
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            case.criterion(module(x), y).backward()
+            optimizer.step()
+
+        step()
+    except Exception as err:  # a refusal is a result to record
+        return f"opacus refused the model: {type(err).__name__}: {err}"
+    return step
+
+
+def _make_private(model: nn.Module, case: Case) -> Callable[[], None]:
+    """One step of the trainer that ``dpvr.make_private`` returns for DP-SGD on the case's four batches."""
+    from torch.utils.data import TensorDataset
+
+    from ..trainer import make_private
+
+    x = torch.cat([b[0] for b in case.batches]).cpu()
+    y = torch.cat([b[1] for b in case.batches]).cpu()
+    trainer = make_private(model, case.criterion, TensorDataset(x, y), algorithm="dp-sgd", epsilon=8.0,
+                           batch_size=case.batch, steps=10_000, clip=CLIP,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+
+    def step() -> None:
+        trainer.step()
 
     return step
 
@@ -207,10 +275,13 @@ class _Dpvr:
         self.v = [torch.zeros_like(p) for p in self.flat]
         self.generator = ops.NoiseGenerator()
         self.generator.bind(b"bench")  # as the algorithms' generators are: each key hashes its release
+        self.releases = 0
         self.move = LR  # ||x_r - x_{r-1}||, updated by every step
         self.fresh = cycle(case.batches)
 
     def _update(self, sums: Sequence[Tensor], radius: float, *, reset: bool, stream: str) -> None:
+        self.releases += 1  # each release named, as the algorithms' ledgers name theirs
+        self.generator.for_release(self.releases.to_bytes(8, "little"))
         self.move = ops.noisy_update(
             self.v,
             sum=[s.view(-1) for s in sums],
@@ -231,7 +302,7 @@ class _Dpvr:
 
     def diff_round(self, *, fresh: bool = False, materialised: bool = False) -> None:
         x, y = next(self.fresh) if fresh else self.case.batches[0]
-        radius = CLIP2 * self.move
+        radius = CLIP2 * float(self.move)  # on CUDA a device value: reading it waits for the device
         now = [p.detach() for p in self.params]
         before = [p.view_as(q) for p, q in zip(self.prev_flat, self.params)]
         if materialised:
@@ -279,57 +350,84 @@ def _native_share(fn: Callable[[], None], rounds: int) -> float:
     return timer.seconds / total
 
 
-def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], str | None]:
-    """The step of every method on ``case`` (each on its own copy of the model), and why Opacus has none."""
-    fns: dict[str, Callable[[], None]] = {"non-private": _non_private(copy.deepcopy(case.model), case)}
-    opacus = _opacus_ghost(copy.deepcopy(case.model), case)
-    if callable(opacus):
-        fns["opacus-ghost-dp-sgd"] = opacus
-    dp_sgd = _Dpvr(copy.deepcopy(case.model), case)
-    fns["dpvr-dp-sgd-ghost"] = dp_sgd.dp_sgd
-    for name, reuse in (("dpvr-diff2-ghost", True), ("dpvr-diff2-ghost-recompute", False)):
-        diff2 = _Dpvr(copy.deepcopy(case.model), case, reuse_recording=reuse)
-        diff2.dp_sgd()  # the restart round: two distinct iterates, and the recording of the first
-        fns[name] = diff2.diff_round
-    fresh = _Dpvr(copy.deepcopy(case.model), case)
-    fresh.dp_sgd()
-    fns["dpvr-fresh-diff-ghost"] = lambda: fresh.diff_round(fresh=True)
+def _restarted(case: Case, **options: bool) -> _Dpvr:
+    """A dpvr step on its own copy after the restart round: two distinct iterates, the first recorded."""
+    dpvr_step = _Dpvr(copy.deepcopy(case.model), case, **options)
+    dpvr_step.dp_sgd()
+    return dpvr_step
+
+
+def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+    """The step of every method on ``case`` (each on its own copy of the model, run once), and why each
+    method that has none has none (Opacus missing or refusing the model; a method failing on this device,
+    with its traceback printed: a finding to record, not a reason to lose the other methods' figures)."""
+    builders: dict[str, Callable[[], Callable[[], None] | str]] = {
+        "non-private": lambda: _non_private(copy.deepcopy(case.model), case),
+        "opacus-hooks-dp-sgd": lambda: _opacus_hooks(copy.deepcopy(case.model), case),
+        "opacus-ghost-dp-sgd": lambda: _opacus_ghost(copy.deepcopy(case.model), case),
+        "dpvr-make-private-dp-sgd": lambda: _make_private(copy.deepcopy(case.model), case),
+        "dpvr-dp-sgd-ghost": lambda: _Dpvr(copy.deepcopy(case.model), case).dp_sgd,
+        "dpvr-diff2-ghost": lambda: _restarted(case, reuse_recording=True).diff_round,
+        "dpvr-diff2-ghost-recompute": lambda: _restarted(case).diff_round,
+        "dpvr-fresh-diff-ghost": lambda: partial(_restarted(case).diff_round, fresh=True),
+    }
     if case.name.startswith("mlp"):
-        materialised = _Dpvr(copy.deepcopy(case.model), case)
-        materialised.dp_sgd()
-        fns["dpvr-diff2-materialised"] = lambda: materialised.diff_round(materialised=True)
-    return fns, None if callable(opacus) else opacus
+        builders["dpvr-diff2-materialised"] = lambda: partial(_restarted(case).diff_round, materialised=True)
+    fns: dict[str, Callable[[], None]] = {}
+    missing: dict[str, str] = {}
+    for name, build in builders.items():
+        try:
+            fn = build()
+            if callable(fn):
+                fn()
+        except Exception as err:
+            if name == "non-private":
+                raise
+            traceback.print_exc()
+            fn = f"failed: {type(err).__name__}: {err}"
+        if callable(fn):
+            fns[name] = fn
+        else:
+            missing[name] = fn
+    return fns, missing
 
 
 def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False,
              share_rounds: int = 5) -> list[Record]:
     """Times every method on ``case`` (interleaved) and returns one record per method."""
+    on_cuda = case.device.type == "cuda"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' notices about secure RNG and hooks
-        fns, opacus_missing = _methods(case)
-        ms = interleaved_median_ms(fns, repeats=repeats, warmup=warmup)
-        peaks = {name: peak_bytes(fn) / 2**20 for name, fn in fns.items()} if memory else {}
+        fns, missing = _methods(case)
+        ms = interleaved_median_ms(fns, repeats=repeats, warmup=warmup, sync=device_sync(case.device))
+        peaks = {name: peak_bytes(fn, str(case.device)) / 2**20 for name, fn in fns.items()} if memory else {}
+        syncs = {name: host_syncs(fn) for name, fn in fns.items()} if on_cuda else {}
     common = {
         "batch": case.batch,
         "d": sum(p.numel() for p in case.model.parameters()),
+        "device": torch.cuda.get_device_name(case.device) if on_cuda else "cpu",
         "threads": torch.get_num_threads(),
     }
     records = []
     for method, t in ms.items():
         metrics = {"ms": t, **common, "ratio_vs_non_private": t / ms["non-private"]}
+        if on_cuda:
+            metrics["host_syncs"], metrics["host_sync_sites"] = syncs[method]
         if method.startswith("dpvr"):
-            metrics["native_share"] = _native_share(fns[method], share_rounds)
-            if "opacus-ghost-dp-sgd" in ms:
-                metrics["ratio_vs_opacus_ghost"] = t / ms["opacus-ghost-dp-sgd"]
+            if not on_cuda:  # on a device the native calls only queue work: their host time says nothing
+                metrics["native_share"] = _native_share(fns[method], share_rounds)
+            for opacus, key in (("opacus-ghost-dp-sgd", "ratio_vs_opacus_ghost"),
+                                ("opacus-hooks-dp-sgd", "ratio_vs_opacus_hooks")):
+                if opacus in ms:
+                    metrics[key] = t / ms[opacus]
         if memory:
             metrics["peak_mib"] = peaks[method]
             metrics["memory_vs_non_private"] = peaks[method] / max(peaks["non-private"], 1e-9)
             if method.startswith("dpvr") and "opacus-ghost-dp-sgd" in peaks:
                 metrics["memory_vs_opacus_ghost"] = peaks[method] / max(peaks["opacus-ghost-dp-sgd"], 1e-9)
         records.append(Record(method=method, dataset=case.label, metrics=metrics))
-    if opacus_missing is not None:
-        records.insert(1, Record(method="opacus-ghost-dp-sgd", dataset=case.label,
-                                 metrics={**common, "skipped": opacus_missing}))
+    records += [Record(method=m, dataset=case.label, metrics={**common, "skipped": why})
+                for m, why in missing.items()]
     return records
 
 
@@ -383,11 +481,11 @@ def plot(records: Sequence[Record], path: str) -> None:
 
 
 def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, memory: bool = False,
-        batch: int | None = None) -> list[Record]:
+        batch: int | None = None, device: str = "cpu") -> list[Record]:
     """Times each method on each case (``quick``: at most 3 rounds, 1 warm-up); ``batch`` overrides every
     case's batch size (tests run tiny rounds with it). One record per method and case."""
     records = []
     for name in cases:
-        records += run_case(make_case(name, batch), repeats=min(repeats, 3) if quick else repeats,
+        records += run_case(make_case(name, batch, device), repeats=min(repeats, 3) if quick else repeats,
                             warmup=1 if quick else 2, memory=memory, share_rounds=2 if quick else 5)
     return records

@@ -36,20 +36,55 @@ def median_ms(
 
 
 def interleaved_median_ms(
-    fns: dict[str, Callable[[], object]], *, repeats: int = 7, warmup: int = 2
+    fns: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 7,
+    warmup: int = 2,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median wall-clock ms of each function, timed in turn within every round, so that a change in machine
-    load during the run affects every method alike (the ratios of one run stay comparable)."""
+    load during the run affects every method alike (the ratios of one run stay comparable). ``sync`` (a
+    device synchronisation) runs before each timer starts and before it stops."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def device_sync(device: torch.device) -> Callable[[], None] | None:
+    """A synchronisation of ``device`` (None for the host, whose work is done when a call returns)."""
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def host_syncs(fn: Callable[[], object], rounds: int = 3) -> tuple[float, str]:
+    """Synchronisations per call of ``fn`` that make the host wait for a CUDA device, as torch's sync debug
+    mode reports them (each a warning): reads of device values (``float(t)``, ``.item()``, ``.tolist()``),
+    blocking copies to the host, ``nonzero``. A wait inside an extension is not reported. Also the lines of
+    Python that made them (``file:line xcount``, most frequent first)."""
+    import collections
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(rounds):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    sites = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs)
+    return len(syncs) / rounds, ", ".join(f"{site} x{n / rounds:g}" for site, n in sites.most_common())
 
 
 @contextlib.contextmanager

@@ -45,17 +45,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be at least 1")
     if args.plot and args.what != "step":
         raise ValueError("--plot: only 'bench step' draws a figure")
-    if args.device == "cuda":
-        if args.what == "step":
-            raise ValueError("bench step --device cuda: the step benchmark runs on the CPU only")
+    if args.device == "cuda" and args.what == "kernels":
         return _run_cuda(args)
     if args.what == "step":
         from ..bench import step
 
         cases = step.CASES if args.case == "all" else (args.case,)
-        records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory)
-        headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "native share"]
-        metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "native_share"]
+        records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
+                           device=args.device)
+        headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
+        metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "ratio_vs_opacus_hooks"]
+        headers.append("host syncs" if args.device == "cuda" else "native share")
+        metrics.append("host_syncs" if args.device == "cuda" else "native_share")
         if args.memory:
             headers += ["peak MiB", "mem x non-private", "mem x opacus ghost"]
             metrics += ["peak_mib", "memory_vs_non_private", "memory_vs_opacus_ghost"]

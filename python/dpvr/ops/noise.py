@@ -4,12 +4,12 @@ Every noise draw is addressed by (seed, stream, step, element) through Philox-4x
 backends produce the same numbers, independent noise sources never share randomness, and a run can be resumed
 exactly from the generator's state.
 
-What "the same numbers" means: both backends draw identical Philox words and apply Box-Muller in double to
-53-bit uniforms. float64 noise uses the math library's log, cos and sin on both (CPU and CUDA agree within
-2 ulp). float32 noise on the CPU uses a vectorised polynomial form of the same transform, within 3 ulp of the
-library's in double, so it is the float64 noise rounded to float32 except, for about 1e-8 of the entries, one
-unit in the last place. The library calls were 80 % of the generator's time; the vectorised form makes
-float32 noise about 4x cheaper, and the privacy analysis (a Gaussian of the stated scale) is unchanged.
+What "the same numbers" means: both backends draw identical Philox words and apply one Box-Muller transform
+in double to 53-bit uniforms, written with fdlibm's polynomial log, sin and cos in correctly rounded IEEE
+operations that neither compiler fuses; so float64 noise is bit for bit the same on the CPU and on CUDA
+(within 3 ulp of the math library's log, sin and cos, whose implementations differ between the two), and
+float32 noise is the float64 noise rounded. The polynomial form also lets the CPU loop vectorise (the library
+calls cost 80 % of the generator's time); the privacy analysis (a Gaussian of the stated scale) is unchanged.
 """
 
 from __future__ import annotations
