@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ..grads import trainable_parameters
-from ..optim.base import data_fingerprint
+from ..optim.binding import data_fingerprint
 from ..optim.diff2 import Shard
 from ..problems import LossFn
 from .client import serve_runs

@@ -13,14 +13,11 @@ import dataclasses
 import functools
 import hashlib
 import inspect
-import json
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import dp_accounting as dpa
-import numpy as np
 import torch
 from torch import nn
 
@@ -34,6 +31,7 @@ from ..privacy.events import PaperSigmas, Plan
 from ..privacy.mechanism import noise_dict
 from ..privacy.relations import tightest_accountant as tightest
 from ..problems import LossFn
+from .binding import bind_run, canonical, data_fingerprint, digest
 from .config import PrivacyConfig, RuntimeConfig, bound_fields
 from .ledger import Release, RunLedger
 from .sampling import BatchSampler
@@ -53,8 +51,9 @@ class BudgetExhaustedError(RuntimeError):
 class PrivateAlgorithm:
     """Base of the DP algorithms (see the module documentation).
 
-    Subclasses set ``plan`` (the :mod:`dpvr.privacy.events` description of the run), ``noise`` (noise
-    multiplier per stream), implement :meth:`step` and list their state tensors in :meth:`_buffers`.
+    Subclasses set ``plan`` (the :mod:`dpvr.privacy.events` description of the run, whose ``steps`` are the
+    run's), ``noise`` (noise multiplier per stream), implement :meth:`_step` (the base :meth:`step` guards
+    the plan's length and counts the steps) and list their state tensors in :meth:`_buffers`.
 
     Every algorithm takes its own settings as keyword arguments named alike across algorithms (``lr``,
     ``steps``, ``restart``, ``batch_size``/``batch_sizes``, ``clip={stream: C}``), plus ``noise`` and the two
@@ -191,13 +190,13 @@ class PrivateAlgorithm:
         bound = {"algorithm": self.name, "nonfinite": self.nonfinite}
         bound.update({f"noise.{k}": v for k, v in sorted(self.noise.items())})
         for f in dataclasses.fields(self.plan) if dataclasses.is_dataclass(self.plan) else ():
-            bound[f"plan.{f.name}"] = _canonical(getattr(self.plan, f.name))
+            bound[f"plan.{f.name}"] = canonical(getattr(self.plan, f.name))
         for name, value in sorted(getattr(self, "_arguments", {}).items()):
             if name in _CONFIGS:
                 for field, setting in bound_fields(value).items():
-                    bound[f"{name}.{field}"] = _canonical(setting)
+                    bound[f"{name}.{field}"] = canonical(setting)
             else:
-                bound[f"setting.{name}"] = _canonical(value)
+                bound[f"setting.{name}"] = canonical(value)
         for name, p in zip(self.param_names, self.params):
             bound[f"parameter.{name}"] = f"{tuple(p.shape)} {p.dtype}"
         if data:
@@ -206,14 +205,11 @@ class PrivateAlgorithm:
         return bound
 
     def _bind_noise(self) -> None:
-        """Derive the generator's keys from this run's binding (call once the subclass is built)."""
+        """Derive the generator's keys and the run's ledger from this run's binding (call once the subclass
+        is built)."""
         settings = self.binding(data=False)
-        self._noise_context = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).digest()
-        self.generator.bind(self._noise_context)
-        if self.generator.reproducible:  # a replay of a reproducible run must find the same run id
-            run = hashlib.sha256(json.dumps(self.binding(), sort_keys=True).encode())
-            run.update(self.generator.seed.to_bytes(8, "little"))
-            self.ledger = RunLedger(run.hexdigest()[:32], run.hexdigest()[32:48])
+        self._noise_context = digest(settings)  # bound again on every load: a loaded generator is unbound
+        self.ledger = bind_run(self.generator, settings, identity=self.binding())
 
     # ---- privacy -------------------------------------------------------------------------------------
     def _admit(self, stream: str) -> tuple[Any, Any]:
@@ -292,9 +288,21 @@ class PrivateAlgorithm:
     # ---- running -------------------------------------------------------------------------------------
     @property
     def total_steps(self) -> int:
-        raise NotImplementedError
+        """The planned number of steps."""
+        return self.plan.steps
 
     def step(self) -> dict[str, float]:
+        """Step ``steps_done + 1`` of the planned run (:meth:`_step`), counted once it completes; returns its
+        diagnostics, ``step`` first (see the class documentation for what may be published)."""
+        if self.steps_done >= self.total_steps:
+            raise RuntimeError(f"{self.name}: all {self.total_steps} planned steps have run")
+        info = self._step()
+        self.steps_done += 1
+        return {"step": self.steps_done, **info}
+
+    def _step(self) -> dict[str, float]:
+        """The algorithm's step ``steps_done + 1``: its releases, each inside :meth:`releasing` (or admitted
+        and recorded explicitly), and the update; returns the step's diagnostics."""
         raise NotImplementedError
 
     def run(
@@ -503,50 +511,10 @@ def _recording_arguments(init: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
-def _canonical(value: Any, depth: int = 0) -> Any:
-    """A JSON-comparable form of a setting: numbers, strings, lists, dicts; arrays and objects by content
-    (every attribute, to a nesting depth of 6, so that a problem object's data is part of it)."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, float, np.number)):
-        return float(value) if math.isfinite(value) else repr(float(value))
-    if isinstance(value, torch.Tensor):
-        return f"tensor {tuple(value.shape)} {value.dtype} {data_fingerprint([value])}"
-    if isinstance(value, np.ndarray):
-        return f"array {value.shape} {value.dtype} {data_fingerprint([torch.from_numpy(np.array(value))])}"
-    if depth > 6:
-        return type(value).__qualname__
-    if isinstance(value, Mapping):
-        return {str(k): _canonical(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v, depth + 1) for v in value]
-    if isinstance(value, torch.optim.Optimizer):
-        # Its kind and constructor hyper-parameters; not its state, nor the group values a scheduler changes.
-        return {"optimizer": type(value).__qualname__, "defaults": _canonical(value.defaults, depth + 1)}
-    if isinstance(value, nn.Module):
-        return {"module": type(value).__qualname__, **_canonical(value.state_dict(), depth + 1)}
-    if dataclasses.is_dataclass(value):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return {"type": type(value).__qualname__, **_canonical(fields, depth + 1)}
-    if hasattr(value, "__dict__") and not callable(value):
-        return {"type": type(value).__qualname__, **_canonical(vars(value), depth + 1)}
-    return type(value).__qualname__ if callable(value) else repr(value)
-
-
 def tightest_accountant(plan: Plan) -> str:
     """``"pld"`` where the PLD accountant can price every release of ``plan``, else ``"rdp"``
     (:func:`dpvr.privacy.relations.tightest_accountant`)."""
     return tightest(plan.mechanism(dict.fromkeys(plan.streams, 1.0)).event, plan.neighbouring)
-
-
-def data_fingerprint(tensors: Sequence[torch.Tensor]) -> str:
-    """SHA-256 of the tensors' shapes, dtypes and values."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{tuple(t.shape)} {t.dtype};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _check_tensors(name: str, given: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:

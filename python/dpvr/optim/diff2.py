@@ -240,10 +240,6 @@ class DIFF2(PrivateAlgorithm):
         self._output_round = int(rng.integers(1, steps + 1)) if output == "random" else None
         self.output_params = [p.detach().clone() for p in self.params] if output == "random" else None
 
-    @property
-    def total_steps(self) -> int:
-        return self.steps
-
     def _clipped_gradients(self, runtime: RuntimeConfig, reuse: bool) -> ClippedGradients:
         return ClippedGradients(
             self.model, self.loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size,
@@ -307,10 +303,8 @@ class DIFF2(PrivateAlgorithm):
         self.x.move = global_norm([p - q for p, q in zip(self.x.point(), self.x.previous)])
         return dropped
 
-    def step(self) -> dict[str, float]:
+    def _step(self) -> dict[str, float]:
         r = self.steps_done + 1
-        if r > self.steps:
-            raise RuntimeError(f"{self.name}: all {self.steps} planned steps have run")
         if self._output_round == r:
             for o, p in zip(self.output_params, self.params):
                 o.copy_(p.detach())
@@ -318,10 +312,7 @@ class DIFF2(PrivateAlgorithm):
         radius, dropped = self._server_round(r, restart)
         if self.routine == "bvr-l-sgd":
             dropped += self._local_steps(r)
-        self.steps_done = r
-        return {
-            "step": r, "restart": float(restart), "radius": radius, "move": self.x.move, "nonfinite": dropped
-        }
+        return {"restart": float(restart), "radius": radius, "move": self.x.move, "nonfinite": dropped}
 
     def _buffers(self) -> dict[str, list[torch.Tensor]]:
         buffers = {"v": self.v.value, "prev": self.x.previous}

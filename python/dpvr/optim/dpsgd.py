@@ -141,16 +141,10 @@ class DPSGD(PrivateAlgorithm):
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: the noisy clipped mean
 
-    @property
-    def total_steps(self) -> int:
-        return self.steps
-
     def _data(self) -> list[torch.Tensor]:
         return [self.inputs, self.targets]
 
-    def step(self) -> dict[str, float]:
-        if self.steps_done >= self.steps:
-            raise RuntimeError(f"{self.name}: all {self.steps} planned steps have run")
+    def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
         batch = torch.as_tensor(self.sampler.draw(), dtype=torch.long)
         for s in self._sum:
@@ -171,8 +165,7 @@ class DPSGD(PrivateAlgorithm):
         )  # fmt: skip
         proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
-        self.steps_done += 1
-        info = {"step": self.steps_done, "batch": len(batch), "nonfinite": dropped}
+        info = {"batch": len(batch), "nonfinite": dropped}
         # A last-iterate run's step length would reveal an intermediate iterate; an optimizer's is unmeasured.
         if not self.last_iterate_only and math.isfinite(self.x.move):
             info["move"] = self.x.move

@@ -355,13 +355,7 @@ class DPSGDA(MinimaxAlgorithm):
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: a plain noisy gradient
 
-    @property
-    def total_steps(self) -> int:
-        return self.steps
-
-    def step(self) -> dict[str, float]:
-        if self.steps_done >= self.steps:
-            raise RuntimeError(f"{self.name}: all {self.steps} planned steps have run")
+    def _step(self) -> dict[str, float]:
         with self.releasing("x"):  # x and y on one shared batch: one release of the group
             batch = self._draw()
             b = self.sampler.batch_size
@@ -371,8 +365,7 @@ class DPSGDA(MinimaxAlgorithm):
                 generator=self.generator, iterate=self.x, lr=self.lr,
             )
             self._y_step("y", b)
-        self.steps_done += 1
-        return {"step": self.steps_done, "move": self.x.move, "y": float(self.y.norm()), "nonfinite": dropped}
+        return {"move": self.x.move, "y": float(self.y.norm()), "nonfinite": dropped}
 
 
 class PrivateDiff(MinimaxAlgorithm):
@@ -547,18 +540,12 @@ class PrivateDiff(MinimaxAlgorithm):
         self._y_prev = self.y.clone()  # y_r: the y that x_{r-1}'s gradient was taken at
 
     @property
-    def total_steps(self) -> int:
-        return self.steps
-
-    @property
     def estimate(self) -> list[Tensor]:
         """The noisy estimator ``v`` of ``grad_x L(x_r, y_{r+1})`` used by the last step (flat tensors)."""
         return self.v.value
 
-    def step(self) -> dict[str, float]:
+    def _step(self) -> dict[str, float]:
         r = self.steps_done + 1
-        if r > self.steps:
-            raise RuntimeError(f"{self.name}: all {self.steps} planned steps have run")
         m = self.sampler.batch_size
         checkpoint = (r - 1) % self.restart == 0
         stream = "checkpoint" if checkpoint else "difference"
@@ -596,9 +583,7 @@ class PrivateDiff(MinimaxAlgorithm):
                 stream, ClippedSum(self._sum, radius, m), noise_multiplier=self.noise[stream],
                 reset=checkpoint, generator=self.generator, iterate=self.x, lr=self.lr,
             )
-        self.steps_done = r
         return {
-            "step": r,
             "checkpoint": float(checkpoint),
             "radius": radius,
             "move": self.x.move,

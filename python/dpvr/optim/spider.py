@@ -74,10 +74,6 @@ class _Spider(PrivateAlgorithm):
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self.x = Iterate(self.params)  # x_t and x_{t-1}
 
-    @property
-    def total_steps(self) -> int:
-        return self.plan.steps
-
     def _data(self) -> list[Tensor]:
         return [self.inputs, self.targets]
 
@@ -243,10 +239,8 @@ class DoubleSpider(_Spider):
         self.v = DifferenceEstimator(self.flat)  # estimates grad_x L
         self._g_sum = torch.zeros(1, dtype=dtype)
 
-    def step(self) -> dict[str, float]:
+    def _step(self) -> dict[str, float]:
         t = self.steps_done
-        if t >= self.plan.steps:
-            raise RuntimeError(f"{self.name}: all {self.plan.steps} planned steps have run")
         refresh = t % self.restart == 0
         x, x_prev, eta, eta_prev = self.x.point(), self.x.previous, float(self.eta), float(self._eta_prev)
         div, lam = self.divergence, self.lam
@@ -285,8 +279,7 @@ class DoubleSpider(_Spider):
         # 4. the normalised step x_{t+1} = x_t - min(lr, max_move / ||v||) v
         norm = global_norm(self.v.value)
         self.x.step(self.v.value, min(self.lr, self.max_move / norm) if norm > 0 else self.lr)
-        self.steps_done = t + 1
-        return {"step": t + 1, "refresh": float(refresh), "eta": eta_next, "move": self.x.move, "v": norm,
+        return {"refresh": float(refresh), "eta": eta_next, "move": self.x.move, "v": norm,
                 "nonfinite": dropped}
 
     def _buffers(self) -> dict[str, list[Tensor]]:
@@ -395,10 +388,8 @@ class RecursiveSpider(_Spider):
         self.u = DifferenceEstimator([self.lam])  # estimates grad_lam g
         self._u_sum, self._s_term = torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)
 
-    def step(self) -> dict[str, float]:
+    def _step(self) -> dict[str, float]:
         t = self.steps_done
-        if t >= self.plan.steps:
-            raise RuntimeError(f"{self.name}: all {self.plan.steps} planned steps have run")
         refresh = t % self.restart == 0
         x, x_prev = self.x.point(), self.x.previous
         lam, lam_prev, bound = float(self.lam), float(self._lam_prev), self.bound
@@ -453,8 +444,7 @@ class RecursiveSpider(_Spider):
         self.x.step(self.v.value, self.lr * x_grad_scale)
         self._lam_prev.copy_(self.lam)
         self.lam.fill_(max(self.lam0, lam - self.lr_lam * lam_grad))
-        self.steps_done = t + 1
-        return {"step": t + 1, "refresh": float(refresh), "lam": float(self.lam), "s": float(self.s),
+        return {"refresh": float(refresh), "lam": float(self.lam), "s": float(self.s),
                 "move": self.x.move, "nonfinite": dropped}
 
     def _buffers(self) -> dict[str, list[Tensor]]:

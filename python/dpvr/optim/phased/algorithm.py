@@ -59,7 +59,6 @@ contiguous and of near-equal size; the ``log n`` of the paper's choice of ``mu``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -75,7 +74,8 @@ from ...ops import NoiseGenerator, check_nonfinite
 from ...privacy import Accountant, PhasedPlan, account, output_perturbation_multiplier
 from ...privacy.mechanism import noise_dict
 from ...problems import FiniteSumProblem, check_problem
-from ..base import BudgetExhaustedError, _canonical
+from ..base import BudgetExhaustedError, tightest_accountant
+from ..binding import bind_run, canonical, digest
 from ..config import PrivacyConfig, RuntimeConfig
 from ..ledger import RunLedger
 from .problem import BaseSolver, CertificateError, PhaseProblem, split_rows
@@ -259,7 +259,8 @@ class PhasedOutputPerturbation:
         gaussian: ``"analytic"`` (default), ``"classic"``, ``"paper"`` or ``"tight"`` (see
             :func:`release_ratio`).
         accountant: a replace-one :class:`~dpvr.privacy.accountant.Accountant` to record into; default a new
-            PLD one (exact for Gaussian releases).
+            one of kind ``privacy.accountant``, or the tightest that prices the plan (PLD: exact for Gaussian
+            releases).
         x0, y0: public starting points and regulariser centres (default 0).
         verify: recompute the certificate at the returned point (:meth:`PhaseProblem.certify`, one pass
             over the chunk) and require it too to meet the target, so that privacy does not rest on the
@@ -336,11 +337,12 @@ class PhasedOutputPerturbation:
         self.tolerance = _positive("tolerance", tolerance)
         ratio = release_ratio(setting, epsilon, delta, gaussian)  # validates delta and gaussian
         self._plan = PhasedPlan(setting)
+        kind = privacy.accountant or tightest_accountant(self._plan)
         if noise is None:
             self.ratios = dict.fromkeys(self._plan.streams, ratio)
         else:
             multipliers = noise_dict(self._plan.streams, noise)
-            spent = account(self._plan(multipliers), delta, accountant="pld").epsilon
+            spent = account(self._plan(multipliers), delta, accountant=kind).epsilon
             if spent > self.epsilon * (1 + 1e-9):
                 raise ValueError(
                     f"noise: {multipliers} spends epsilon={spent:.4g} > the budget {self.epsilon:g}"
@@ -350,7 +352,7 @@ class PhasedOutputPerturbation:
         self.gaussian = gaussian
         self.solver = solver
         self.mu, self.radius, self.phases = _positive("mu", mu), _positive("radius", radius), phases
-        self.accountant = accountant if accountant is not None else Accountant("pld", "replace-one")
+        self.accountant = accountant if accountant is not None else Accountant(kind, "replace-one")
         self.generator = generator if generator is not None else NoiseGenerator()
         self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._x0, self._y0 = x0, y0
@@ -360,20 +362,15 @@ class PhasedOutputPerturbation:
         self._noise: dict[str, float] = {}
         self._problem_fingerprint: str | None = None  # of the problem a loaded state was written for
         self._charged: set[tuple[str, str]] = set()  # (segment, stream) whose run release is recorded
-        self.ledger = RunLedger()
         self._binding = {
-            k: _canonical(v)
+            k: canonical(v)
             for k, v in dict(
                 setting=setting, epsilon=epsilon, delta=delta, mu=mu, radius=radius,
                 phases=phases, tolerance=tolerance, gaussian=gaussian, x0=x0, y0=y0, verify=verify,
                 ratios=self.ratios, nonfinite=nonfinite,
             ).items()
         }  # fmt: skip
-        self.generator.bind(hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode()).digest())
-        if self.generator.reproducible:  # a replay of a reproducible run must find the same run id
-            run = hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode())
-            run.update(self.generator.seed.to_bytes(8, "little"))
-            self.ledger = RunLedger(run.hexdigest()[:32], run.hexdigest()[32:48])
+        self.ledger = bind_run(self.generator, self._binding)
 
     # -- the phase loop ----------------------------------------------------------------------------------
 
@@ -386,7 +383,7 @@ class PhasedOutputPerturbation:
         """
         check_problem(problem)
         self._check_setting(problem)
-        fingerprint = json.dumps(_canonical(problem), sort_keys=True)
+        fingerprint = json.dumps(canonical(problem), sort_keys=True)
         if self._problem_fingerprint not in (None, fingerprint):
             raise ValueError(
                 "problem: the loaded state was written for another problem (other data or constants); "
@@ -639,7 +636,7 @@ class PhasedOutputPerturbation:
         self._noise = dict(state["noise_multipliers"])
         self.accountant.load_state_dict(state["accountant"])
         self.generator.load_state_dict(state["generator"])
-        self.generator.bind(hashlib.sha256(json.dumps(self._binding, sort_keys=True).encode()).digest())
+        self.generator.bind(digest(self._binding))
         self._charged = {(str(s), str(n)) for s, n in state["charged"]}
         for release in after:  # one charge per branch and stream: parallel composition over its phases
             name = release.parts if isinstance(release.parts, str) else next(iter(release.parts))
