@@ -29,7 +29,16 @@ from .events import (
 )
 from .last_iterate import CyclicDPSGDPlan, epsilon_by_epoch, l_lambda, theorem_2_2_rho, theorem_2_3_rho, theta
 from .mechanism import Mechanism, Release, Sampling, Stream
-from .relations import ACCOUNTANTS, ADD_REMOVE, NEIGHBOURING, REPLACE_ONE
+from .relations import (
+    ACCOUNTANTS,
+    ADD_REMOVE,
+    NEIGHBOURING,
+    REPLACE_ONE,
+    AccountantBackend,
+    accountant_backend,
+    register_accountant,
+    unregister_accountant,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -40,6 +49,7 @@ __all__ = [
     "NEIGHBOURING",
     "REPLACE_ONE",
     "Accountant",
+    "AccountantBackend",
     "CyclicDPSGDPlan",
     "DoubleSpiderPlan",
     "Mechanism",
@@ -54,13 +64,16 @@ __all__ = [
     "Sampling",
     "Stream",
     "account",
+    "accountant_backend",
     "calibrate",
     "epsilon_by_epoch",
     "event_from_dict",
     "event_to_dict",
     "l_lambda",
     "output_perturbation_multiplier",
+    "register_accountant",
     "theorem_2_2_rho",
     "theorem_2_3_rho",
     "theta",
+    "unregister_accountant",
 ]

@@ -1,8 +1,9 @@
 """The accountant an algorithm carries: it records every release as it happens and answers epsilon/delta.
 
-Composition and conversion are dp_accounting's: each distinct event is priced by its ``RdpAccountant``
-(RDP curve over the orders) and the total is converted with its ``compute_epsilon``/``compute_delta``; with
-``accountant="pld"`` the ledger is composed in its ``PLDAccountant``. What dpvr adds is the ledger by noise
+Composition and conversion are dp_accounting's, through the accountant's backend
+(:mod:`dpvr.privacy.backends`): each distinct event is priced by its ``RdpAccountant`` (RDP curve over the
+orders) and the total is converted with its ``compute_epsilon``/``compute_delta``; with ``accountant="pld"``
+the ledger is composed in its ``PLDAccountant``. What dpvr adds is the ledger by noise
 stream (so a report can say which stream spent what), the neighbouring-relation convention of
 :mod:`dpvr.privacy.relations`, a failure probability for sensitivity bounds that hold only with high
 probability, runs (random allocation's epochs are counted per run and stream), and a JSON-serialisable state
@@ -40,6 +41,7 @@ from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from . import _checks
+from .backends import PLD, RDP
 from .mechanism import Mechanism
 from .random_allocation import (
     RandomAllocationDpEvent,
@@ -51,12 +53,11 @@ from .relations import (
     ADD_REMOVE,
     DEFAULT_ORDERS,
     REPLACE_ONE,
-    check_accountant,
+    Composition,
+    Ledger,
+    accountant_backend,
     check_neighbouring,
-    for_accountant,
     is_wor_gaussian,
-    make_accountant,
-    rdp_proxy,
     require_supported,
     walk,
 )
@@ -168,19 +169,19 @@ def _rdp_curve(
     if key in _CURVES:
         _CURVES.move_to_end(key)
         return _CURVES[key]
-    exact_event = for_accountant(event, "rdp", neighbouring)
-    acc = make_accountant("rdp", neighbouring, orders)
+    exact_event = RDP.rewrite(event, neighbouring)
+    acc = RDP.make(neighbouring, orders=orders)
     if acc.supports(exact_event):
         curve, exact = acc.compose(exact_event).rdp, True
     else:
-        # Only reachable with the PLD accountant (Poisson sampling under replace-one, random allocation):
-        # shares are measured on an RDP stand-in (relations.rdp_proxy).
-        proxy = rdp_proxy(event, neighbouring)
+        # Only reachable with an accountant that prices what RDP cannot (Poisson sampling under replace-one,
+        # random allocation): shares are measured on an RDP stand-in (backends.RdpBackend.proxy).
+        proxy = RDP.proxy(event, neighbouring)
         curve, exact = None, False
         if proxy is not None:
             proxy_event, relation = proxy
-            proxy_event = for_accountant(proxy_event, "rdp", relation)
-            stand_in = make_accountant("rdp", relation, orders)
+            proxy_event = RDP.rewrite(proxy_event, relation)
+            stand_in = RDP.make(relation, orders=orders)
             curve = stand_in.compose(proxy_event).rdp if stand_in.supports(proxy_event) else None
     if curve is not None:
         curve = np.array(curve, dtype=float)
@@ -197,8 +198,9 @@ class Accountant:
     ``accountant`` is ``"rdp"`` (dp_accounting's RDP accountant; fast, supports every dpvr event except
     Poisson sampling under replace-one) or ``"pld"`` (its privacy-loss-distribution accountant; tighter,
     slower, no RDP curves; a Gaussian on a batch drawn without replacement is priced by dpvr's own PLD,
-    :mod:`dpvr.privacy.subsampling`). ``neighbouring`` is ``"replace-one"`` (as in
-    the papers) or ``"add-remove"``.
+    :mod:`dpvr.privacy.subsampling`), or any accountant registered with
+    :func:`~dpvr.privacy.relations.register_accountant` (its backend composes the ledger). ``neighbouring``
+    is ``"replace-one"`` (as in the papers) or ``"add-remove"``.
 
     Noise multipliers follow dpvr's convention (:mod:`dpvr.privacy.relations`): noise std over the L2 bound
     on one record's contribution to the released sum. Under replace-one that record can move the sum by
@@ -214,7 +216,8 @@ class Accountant:
         self._configure(accountant, neighbouring, orders)
 
     def _configure(self, accountant: str, neighbouring: str, orders: Sequence[float] | None) -> None:
-        self._kind = check_accountant(accountant)
+        self._backend = accountant_backend(accountant)
+        self._kind = accountant
         self._neighbouring = check_neighbouring(neighbouring)
         orders = tuple(float(a) for a in (orders if orders is not None else DEFAULT_ORDERS))
         if not orders or min(orders) <= 1:
@@ -225,7 +228,7 @@ class Accountant:
         self._failure = 0.0
         self._stream_rdp: dict[str, np.ndarray] = {}
         self._total = np.zeros(len(self._orders))
-        self._pld: _ComposedPLD | None = None
+        self._composed: Composition | None = None  # the ledger composed by the backend, until it changes
         self._runs = 0  # record_mechanism's next run number
 
     # -- recording ---------------------------------------------------------------------------------------
@@ -346,7 +349,7 @@ class Accountant:
         return _rdp_curve(event, self._neighbouring, self._orders)
 
     def _add(self, parts: tuple[tuple[str, float], ...], event: dpa.DpEvent, count: int) -> None:
-        self._pld = None
+        self._composed = None
         curve, _ = self._curve(event)
         for name, weight in parts:
             self._stream_rdp.setdefault(name, np.zeros(len(self._orders)))
@@ -356,7 +359,7 @@ class Accountant:
             self._total = self._total + count * curve
 
     def _rebuild(self) -> None:
-        self._pld = None
+        self._composed = None
         self._stream_rdp = {}
         self._total = np.zeros(len(self._orders))
         for entry in self._ledger:
@@ -372,21 +375,19 @@ class Accountant:
             )
         return delta - self._failure
 
-    def _pld_accountant(self, extra: Sequence[_Entry] = ()) -> _ComposedPLD:
-        if self._pld is None or extra:
-            composed = _ComposedPLD.of([*self._ledger, *extra], self._neighbouring)
-            if extra:
-                return composed
-            self._pld = composed
-        return self._pld
+    def _composition(self) -> Composition:
+        """The ledger composed by the accountant's backend (kept until something is recorded)."""
+        if self._composed is None:
+            total = self._total
+            self._composed = self._backend.compose(
+                Ledger(tuple(self._ledger), self._neighbouring, self._orders, lambda: total)
+            )
+        return self._composed
 
-    def _epsilon_and_order(self, delta: float, total: np.ndarray | None = None) -> tuple[float, float | None]:
+    def _epsilon_and_order(self, delta: float) -> tuple[float, float | None]:
         mechanism_delta = self._mechanism_delta(delta)
-        if self._kind == "pld":
-            return float(self._pld_accountant().get_epsilon(mechanism_delta)), None
-        total = self._total if total is None else total
-        eps, order = rdp_privacy_accountant.compute_epsilon(self._orders, total, mechanism_delta)
-        return float(eps), float(order)
+        eps, order = self._composition().epsilon(mechanism_delta)
+        return float(eps), None if order is None else float(order)
 
     def epsilon(self, delta: float) -> float:
         """Smallest epsilon such that everything recorded is ``(epsilon, delta)``-DP."""
@@ -395,10 +396,7 @@ class Accountant:
     def delta(self, epsilon: float) -> float:
         """Smallest delta such that everything recorded is ``(epsilon, delta)``-DP."""
         epsilon = _checks.non_negative("epsilon", epsilon)
-        if self._kind == "pld":
-            spent = float(self._pld_accountant().get_delta(epsilon))
-        else:
-            spent = float(rdp_privacy_accountant.compute_delta(self._orders, self._total, epsilon)[0])
+        spent = float(self._composition().delta(epsilon))
         return min(1.0, spent + self._failure)
 
     def would_exceed(
@@ -418,11 +416,13 @@ class Accountant:
         parts = _parts(stream)
         count = _checks.count("count", count)
         require_supported(event, self._kind, self._neighbouring)
-        if self._kind == "pld":
-            acc = self._pld_accountant([_Entry(parts, event, count, run)])
-            return float(acc.get_epsilon(self._mechanism_delta(delta))) > budget
-        curve, _ = self._curve(event)
-        return self._epsilon_and_order(delta, self._total + count * curve)[0] > budget
+        entries = (*self._ledger, _Entry(parts, event, count, run))
+
+        def total() -> np.ndarray:  # the RDP curve with the new releases, computed only if the backend asks
+            return self._total + count * self._curve(event)[0]
+
+        composed = self._backend.compose(Ledger(entries, self._neighbouring, self._orders, total))
+        return float(composed.epsilon(self._mechanism_delta(delta))[0]) > budget
 
     def shares(self, order: float) -> dict[str, float]:
         """Each stream's fraction of the total RDP at ``order`` (an order of this accountant)."""
@@ -447,12 +447,7 @@ class Accountant:
                     "stream shares measured on an RDP proxy: add/remove at twice the sensitivity for "
                     "Poisson-sampled replace-one releases, Poisson sampling at rate 1/t for random allocation"
                 )
-        if self._kind == "pld" and self._pld_accountant().interval > PLD_DISCRETIZATION:
-            assumptions.append(
-                f"privacy-loss grid of width {self._pld_accountant().interval:g}, coarser than "
-                f"dp_accounting's {PLD_DISCRETIZATION:g}, to bound the memory and time of a release with "
-                "little noise; the discretisation stays pessimistic (epsilon is an upper bound)"
-            )
+        assumptions.extend(self._composition().notes())
         if self._failure:
             assumptions.append(
                 f"sensitivity bounds fail with probability <= {self._failure:g}, included in delta"
@@ -566,6 +561,23 @@ class _ComposedPLD:
 
     def get_delta(self, epsilon: float) -> float:
         return 1.0 if self._pld is None else float(self._pld.get_delta_for_epsilon(epsilon))
+
+    # The ledger composition of the PLD backend (relations.Composition).
+
+    def epsilon(self, delta: float) -> tuple[float, float | None]:
+        return self.get_epsilon(delta), None
+
+    def delta(self, epsilon: float) -> float:
+        return self.get_delta(epsilon)
+
+    def notes(self) -> list[str]:
+        if self.interval <= PLD_DISCRETIZATION:
+            return []
+        return [
+            f"privacy-loss grid of width {self.interval:g}, coarser than "
+            f"dp_accounting's {PLD_DISCRETIZATION:g}, to bound the memory and time of a release with "
+            "little noise; the discretisation stays pessimistic (epsilon is an upper bound)"
+        ]
 
 
 def _leaves(event: dpa.DpEvent, count: int):
@@ -786,7 +798,7 @@ def _build_pld(event: dpa.DpEvent, neighbouring: str, interval: float) -> Any | 
                     return None
                 total = total.compose(pld)
             return total
-    accountant = make_accountant("pld", neighbouring, interval=interval)
+    accountant = PLD.make(neighbouring, interval=interval)
     accountant.compose(event)
     if accountant._contains_non_dp_event:  # noqa: SLF001
         return None

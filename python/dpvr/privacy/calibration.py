@@ -47,16 +47,9 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from . import _checks
 from .accountant import pld_epsilon
 from .allocation import proxy_weights
+from .backends import PLD, RDP
 from .mechanism import Mechanism, Release
-from .relations import (
-    DEFAULT_ORDERS,
-    check_accountant,
-    for_accountant,
-    make_accountant,
-    rdp_proxy,
-    require_supported,
-    unsupported_reason,
-)
+from .relations import DEFAULT_ORDERS, accountant_backend, require_supported
 from .subsampling import PLD_DISCRETIZATION
 
 
@@ -90,7 +83,7 @@ def calibrate(
     """
     epsilon = _checks.positive("epsilon", epsilon)
     delta = _checks.delta(delta)
-    check_accountant(accountant)
+    backend = accountant_backend(accountant)
     if calibration == "paper":
         if shares is not None:
             raise ValueError("shares apply to calibration='tight'; the paper fixes its own split")
@@ -119,14 +112,31 @@ def calibrate(
     idle = [s.name for s in probe.streams if s.count == 0]
     if idle:
         raise ValueError(f"streams {idle} have no releases; nothing to calibrate for them")
-    if accountant == "rdp":
-        return _solve(probe, weights, epsilon, target_delta, proxy, exact=True)
-    # PLD: the RDP solution only fixes the ratios between streams and PLD finds their common scale. PLD
-    # certifies epsilons below RDP's conversion floor, so the ratios are then designed just above the floor.
-    floor = _rdp_floor(target_delta)
-    design = epsilon if epsilon > floor else 2 * floor
-    ratios = _solve(probe, weights, design, target_delta, proxy, exact=False)
-    return _pld_scale(factory, ratios, epsilon, target_delta)
+    # The backend calibrates from the RDP design: RDP's is the design itself; PLD's keeps its ratios between
+    # streams and finds their common scale (see the module documentation).
+    return backend.calibrate(_Design(factory, probe, weights, target_delta, proxy), epsilon, target_delta)
+
+
+class _Design:
+    """The RDP design of one calibration (:class:`~dpvr.privacy.relations.Design`): ``design(epsilon, exact)``
+    is :func:`_solve` at the calibration's shares (or its proxy's) and delta."""
+
+    def __init__(
+        self,
+        factory: MechanismFactory,
+        probe: Mechanism,
+        weights: dict[str, float],
+        delta: float,
+        proxy: Mapping[str, float] | None,
+    ) -> None:
+        self.factory, self.probe, self.weights, self.delta, self.proxy = factory, probe, weights, delta, proxy
+
+    @property
+    def floor(self) -> float:
+        return _rdp_floor(self.delta)
+
+    def __call__(self, epsilon: float, exact: bool) -> dict[str, float]:
+        return _solve(self.probe, self.weights, epsilon, self.delta, self.proxy, exact=exact)
 
 
 # The proxy is flat at its minimum: shares within 0.1% of it leave it within about 1e-6 of the optimum.
@@ -183,20 +193,20 @@ def _rdp_function(release: Release, neighbouring: str) -> Callable[[float, tuple
     """``(z, orders) -> RDP of all of the release's occurrences`` via dp_accounting's RDP accountant.
 
     A release the RDP accountant cannot price (Poisson sampling under replace-one, random allocation) is
-    measured on its RDP stand-in (:func:`~dpvr.privacy.relations.rdp_proxy`): only on the PLD path, where
-    RDP fixes just the ratios between streams.
+    measured on its RDP stand-in (:meth:`~dpvr.privacy.backends.RdpBackend.proxy`): only on the PLD path,
+    where RDP fixes just the ratios between streams.
     """
     relation = neighbouring
-    if unsupported_reason(release.step_event(), "rdp", neighbouring) is not None:
-        relation = rdp_proxy(release.step_event(), neighbouring)[1]
+    if RDP.unsupported_reason(release.step_event(), neighbouring) is not None:
+        relation = RDP.proxy(release.step_event(), neighbouring)[1]
 
     def transform(event):
-        if relation != neighbouring or unsupported_reason(event, "rdp", neighbouring) is not None:
-            event = rdp_proxy(event, neighbouring)[0]
-        return for_accountant(event, "rdp", relation)
+        if relation != neighbouring or RDP.unsupported_reason(event, neighbouring) is not None:
+            event = RDP.proxy(event, neighbouring)[0]
+        return RDP.rewrite(event, relation)
 
     def rdp(z: float, orders: tuple[float, ...]) -> np.ndarray:
-        acc = make_accountant("rdp", relation, orders)
+        acc = RDP.make(relation, orders=orders)
         return release.count * acc.compose(transform(release.step_event(z))).rdp
 
     return rdp
@@ -435,7 +445,7 @@ def _pld_scale(
     ``epsilon`` (and finds its PLDs built). Guarantee: the returned noise spends at most ``epsilon`` at
     ``delta`` as the accountant prices it, or a ``RuntimeError`` is raised.
     """
-    require_supported(factory(noise).event, "pld", factory(noise).neighbouring)
+    require_supported(factory(noise).event, PLD.name, factory(noise).neighbouring)
     spent: dict[tuple[float, float], float] = {}  # epsilon by (log-scale, grid width)
 
     def log_epsilon(log_scale: float, interval: float) -> float:

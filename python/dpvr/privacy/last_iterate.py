@@ -38,6 +38,7 @@ import numpy as np
 
 from . import _checks
 from .accountant import Accountant
+from .backends import RDP
 from .events import Plan
 from .mechanism import Stream
 from .relations import REPLACE_ONE, check_neighbouring
@@ -290,7 +291,7 @@ def epsilon_by_epoch(
         steps = _checks.count("epochs", int(epoch), minimum=1) * plan.steps_per_pass
         for bound in ("last-iterate", "composition"):
             run = replace(plan, steps=steps, bound=bound)
-            acc = Accountant("rdp", REPLACE_ONE)
+            acc = Accountant(RDP.name, REPLACE_ONE)  # the bounds are RDP curves
             acc.record_mechanism(run(noise_multiplier))
             out[bound].append(acc.epsilon(delta))
     return {k: np.asarray(v) for k, v in out.items()}

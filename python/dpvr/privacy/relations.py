@@ -24,24 +24,33 @@ replace-one it halves every Gaussian and Laplace noise multiplier handed to the 
 scale ``s`` against a shift of ``2C`` is noise of scale ``s/2`` against ``C``). Everything else passes through
 unchanged; dp_accounting's remaining events are either relation-aware or refused under replace-one.
 :func:`unsupported_reason` explains, in words, a combination that cannot be accounted.
+
+Accountants are backends (:class:`AccountantBackend`) in a registry: :func:`register_accountant` adds one,
+:func:`accountant_backend` finds one by name, and ``ACCOUNTANTS`` lists the registered names. The functions
+here that take an accountant's name (:func:`for_accountant`, :func:`make_accountant`,
+:func:`unsupported_reason`, :func:`tightest_accountant`) ask its backend; dpvr's own, RDP and PLD, are in
+:mod:`dpvr.privacy.backends`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attr
 import dp_accounting as dpa
-from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from .random_allocation import RandomAllocationDpEvent, is_random_allocation
 from .subsampling import PLD_DISCRETIZATION
 
+if TYPE_CHECKING:
+    import numpy as np
+
 REPLACE_ONE = "replace-one"
 ADD_REMOVE = "add-remove"
 NEIGHBOURING = (REPLACE_ONE, ADD_REMOVE)
-ACCOUNTANTS = ("rdp", "pld")
 
 DEFAULT_ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 
@@ -58,16 +67,168 @@ def check_neighbouring(neighbouring: str) -> str:
     return neighbouring
 
 
-def check_accountant(accountant: str) -> str:
-    """Return ``accountant`` if it names a supported accountant, else raise ``ValueError``."""
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-    return accountant
-
-
 def relation(neighbouring: str) -> dpa.NeighboringRelation:
     """dp_accounting's enum for a dpvr relation name."""
     return _RELATIONS[check_neighbouring(neighbouring)]
+
+
+# -- accountant backends -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What an :class:`~dpvr.privacy.Accountant` has recorded, as a backend composes it: its ``entries``
+    (each with ``parts``, ``event``, ``count`` and ``run``), its relation and RDP orders, and ``rdp()``, the
+    total RDP curve over the orders (dpvr keeps it for every accountant: stream shares are measured on it)."""
+
+    entries: Sequence[Any]
+    neighbouring: str
+    orders: tuple[float, ...]
+    rdp: Callable[[], np.ndarray]
+
+
+class Composition(Protocol):
+    """A ledger composed by one accountant (:meth:`AccountantBackend.compose`)."""
+
+    def epsilon(self, delta: float) -> tuple[float, float | None]:
+        """epsilon at ``delta``, and the RDP order of the conversion (``None`` if not an RDP conversion)."""
+        ...
+
+    def delta(self, epsilon: float) -> float:
+        """delta at ``epsilon``."""
+        ...
+
+    def notes(self) -> list[str]:
+        """Assumptions the answers rest on beyond the ledger's own (e.g. a coarsened loss grid)."""
+        ...
+
+
+class Design(Protocol):
+    """The RDP design of a calibration (:mod:`dpvr.privacy.calibration`), handed to a backend's
+    :meth:`AccountantBackend.calibrate`: ``design(epsilon, exact)`` is the noise of every stream that spends
+    ``epsilon`` by the RDP accountant with the requested shares (``exact=False``: only the ratios between
+    streams are meant); ``floor`` is the epsilon below which RDP's conversion certifies nothing at the
+    calibration's delta; ``factory`` builds the run from noise multipliers."""
+
+    factory: Any
+    floor: float
+
+    def __call__(self, epsilon: float, exact: bool) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class AccountantBackend(Protocol):
+    """One accountant: how it prices dpvr's events (in dpvr's noise-multiplier convention), composes a ledger
+    and calibrates noise to a target.
+
+    - ``name``: what users pass as ``accountant=``; ``tightness``: its rank among the registered backends
+      (a number), higher for a tighter bound (:func:`tightest_accountant` picks the tightest that supports a
+      run).
+    - :meth:`unsupported_reason`: ``None`` if the backend accounts ``event`` under ``neighbouring``, else why
+      not, in words.
+    - :meth:`rewrite`: ``event`` rewritten into what the dp_accounting accountant of :meth:`make` needs to
+      price it right under ``neighbouring``.
+    - :meth:`make`: a fresh dp_accounting accountant (``orders`` for RDP, the loss grid's width ``interval``
+      for PLD; each backend ignores what it does not use, and ``None`` is its default).
+    - :meth:`compose`: the recorded :class:`Ledger` composed, to answer epsilon and delta.
+    - :meth:`calibrate`: noise multipliers spending at most ``epsilon`` at ``delta`` by this accountant,
+      from the RDP :class:`Design`.
+    """
+
+    name: str
+    tightness: float
+
+    def unsupported_reason(self, event: dpa.DpEvent, neighbouring: str) -> str | None: ...
+
+    def rewrite(self, event: dpa.DpEvent, neighbouring: str) -> dpa.DpEvent: ...
+
+    def make(
+        self, neighbouring: str, *, orders: Sequence[float] | None = None, interval: float | None = None
+    ) -> dpa.PrivacyAccountant: ...
+
+    def compose(self, ledger: Ledger) -> Composition: ...
+
+    def calibrate(self, design: Design, epsilon: float, delta: float) -> dict[str, float]: ...
+
+
+_BACKENDS: dict[str, AccountantBackend] = {}
+
+
+class _AccountantNames(Sequence):
+    """The names of the registered accountants, in order of registration: a live, read-only view that
+    compares, prints and iterates as a tuple (``("rdp", "pld")`` with dpvr's own)."""
+
+    def __getitem__(self, index):
+        return tuple(_BACKENDS)[index]
+
+    def __len__(self) -> int:
+        return len(_BACKENDS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(_BACKENDS))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in _BACKENDS
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, _AccountantNames) else other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+#: Names of the registered accountants (a live view of the registry; ``("rdp", "pld")`` with dpvr's own).
+ACCOUNTANTS: Sequence[str] = _AccountantNames()
+
+
+def register_accountant(backend: AccountantBackend, *, replace: bool = False) -> AccountantBackend:
+    """Register ``backend`` under ``backend.name``; returns it. A name already registered is refused unless
+    ``replace=True``."""
+    if not isinstance(backend, AccountantBackend):
+        raise TypeError(
+            f"an accountant backend must implement AccountantBackend, got {type(backend).__name__}"
+        )
+    name = backend.name
+    if not (isinstance(name, str) and name):
+        raise ValueError(f"an accountant backend needs a non-empty name, got {name!r}")
+    if isinstance(backend.tightness, bool) or not isinstance(backend.tightness, (int, float)):
+        raise TypeError(f"tightness of accountant {name!r} must be a number, got {backend.tightness!r}")
+    if name in _BACKENDS and not replace:
+        raise ValueError(f"an accountant named {name!r} is already registered (pass replace=True)")
+    _BACKENDS[name] = backend
+    return backend
+
+
+def unregister_accountant(name: str) -> AccountantBackend:
+    """Remove the accountant registered as ``name``; returns its backend."""
+    backend = accountant_backend(name)
+    del _BACKENDS[name]
+    return backend
+
+
+def accountant_backend(accountant: str) -> AccountantBackend:
+    """The backend registered as ``accountant``; ``ValueError`` if there is none."""
+    backend = _BACKENDS.get(accountant) if isinstance(accountant, str) else None
+    if backend is None:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    return backend
+
+
+def accountant_backends() -> tuple[AccountantBackend, ...]:
+    """The registered backends, tightest first (ties in order of registration)."""
+    return tuple(sorted(_BACKENDS.values(), key=lambda backend: -backend.tightness))
+
+
+def check_accountant(accountant: str) -> str:
+    """Return ``accountant`` if it names a registered accountant, else raise ``ValueError``."""
+    accountant_backend(accountant)
+    return accountant
+
+
+# -- events ------------------------------------------------------------------------------------------------
 
 
 def scale_noise(event: dpa.DpEvent, factor: float) -> dpa.DpEvent:
@@ -87,9 +248,7 @@ def scale_noise(event: dpa.DpEvent, factor: float) -> dpa.DpEvent:
 
 def for_accountant(event: dpa.DpEvent, accountant: str, neighbouring: str) -> dpa.DpEvent:
     """Rewrite ``event`` (dpvr's convention) so that ``accountant`` prices it right under ``neighbouring``."""
-    if check_accountant(accountant) == "rdp" and check_neighbouring(neighbouring) == REPLACE_ONE:
-        return scale_noise(event, 0.5)
-    return event
+    return accountant_backend(accountant).rewrite(event, neighbouring)
 
 
 def make_accountant(
@@ -100,13 +259,7 @@ def make_accountant(
 ) -> dpa.PrivacyAccountant:
     """A fresh dp_accounting accountant of the given kind (``orders`` for RDP, the loss grid's width
     ``interval`` for PLD)."""
-    if check_accountant(accountant) == "rdp":
-        return rdp_privacy_accountant.RdpAccountant(
-            orders=list(orders or DEFAULT_ORDERS), neighboring_relation=relation(neighbouring)
-        )
-    return pld_privacy_accountant.PLDAccountant(
-        neighboring_relation=relation(neighbouring), value_discretization_interval=interval
-    )
+    return accountant_backend(accountant).make(neighbouring, orders=orders, interval=interval)
 
 
 def walk(event: dpa.DpEvent) -> Iterator[dpa.DpEvent]:
@@ -141,82 +294,58 @@ def pld_stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
     return event
 
 
-def rdp_proxy(event: dpa.DpEvent, neighbouring: str) -> tuple[dpa.DpEvent, str] | None:
-    """An RDP stand-in for an event the RDP accountant cannot price, used only to split a budget between
-    streams or to attribute a spend to them, never as a bound: a random-allocation step is read as Poisson
-    sampling at rate ``1/t`` (Feldman and Shenfeld 2025 bound it by Poisson at rate ``(1 + o(1))/t``), and
-    Poisson sampling under replace-one as add/remove at twice the sensitivity. ``(event, relation)`` in
-    dpvr's convention, or ``None`` when there is no stand-in."""
-    if isinstance(event, RandomAllocationDpEvent):
-        event = dpa.PoissonSampledDpEvent(1.0 / event.num_steps, event.event)
-    elif isinstance(event, dpa.ComposedDpEvent):
-        parts = [rdp_proxy(e, neighbouring) for e in event.events]
-        if any(p is None for p in parts) or len({p[1] for p in parts}) > 1:
-            return None
-        return dpa.ComposedDpEvent([p[0] for p in parts]), parts[0][1] if parts else neighbouring
-    elif isinstance(event, dpa.SelfComposedDpEvent):
-        inner = rdp_proxy(event.event, neighbouring)
-        return None if inner is None else (attr.evolve(event, event=inner[0]), inner[1])
-    if unsupported_reason(event, "rdp", neighbouring) is None:
-        return event, neighbouring
-    if neighbouring == REPLACE_ONE and unsupported_reason(scale_noise(event, 0.5), "rdp", ADD_REMOVE) is None:
-        return scale_noise(event, 0.5), ADD_REMOVE
+def relation_reason(event: dpa.DpEvent, neighbouring: str) -> str | None:
+    """Why no accountant accounts ``event`` (one event, not those nested in it) under ``neighbouring``, or
+    ``None``: random allocation is accounted only under add/remove, sampling without replacement only under
+    replace-one. Every backend's :meth:`~AccountantBackend.unsupported_reason` asks this first."""
+    if isinstance(event, RandomAllocationDpEvent) and neighbouring == REPLACE_ONE:
+        return (
+            "random allocation is accounted only under neighbouring='add-remove'; use "
+            "sampling='wor' for replace-one"
+        )
+    if isinstance(event, dpa.SampledWithoutReplacementDpEvent) and neighbouring == ADD_REMOVE:
+        return (
+            "fixed-size sampling without replacement is accounted only under neighbouring='replace-one' "
+            "(the dataset size is public); use Poisson sampling for add/remove"
+        )
+    return None
+
+
+def first_reason(
+    event: dpa.DpEvent, neighbouring: str, refuses: Callable[[dpa.DpEvent, str], str | None]
+) -> str | None:
+    """The first reason, depth first through ``event``, that an accountant refusing what ``refuses(sub,
+    neighbouring)`` names cannot account it: :func:`relation_reason`, then ``refuses``, for each event."""
+    for sub in walk(event):
+        reason = relation_reason(sub, neighbouring)
+        if reason is None:
+            reason = refuses(sub, neighbouring)
+        if reason is not None:
+            return reason
     return None
 
 
 def unsupported_reason(event: dpa.DpEvent, accountant: str, neighbouring: str) -> str | None:
     """Why ``accountant`` cannot account ``event`` under ``neighbouring``, or ``None`` if it can."""
-    for sub in walk(event):
-        if isinstance(sub, RandomAllocationDpEvent):
-            if neighbouring == REPLACE_ONE:
-                return (
-                    "random allocation is accounted only under neighbouring='add-remove'; use "
-                    "sampling='wor' for replace-one"
-                )
-            if accountant == "rdp":
-                return "random allocation is priced by dpvr's PLD only; use accountant='pld'"
-            if not isinstance(sub.event, dpa.GaussianDpEvent):
-                return "dpvr's random-allocation PLD prices a Gaussian release only"
-        if isinstance(sub, dpa.SampledWithoutReplacementDpEvent) and neighbouring == ADD_REMOVE:
-            return (
-                "fixed-size sampling without replacement is accounted only under neighbouring='replace-one' "
-                "(the dataset size is public); use Poisson sampling for add/remove"
-            )
-        if (
-            isinstance(sub, dpa.SampledWithoutReplacementDpEvent)
-            and accountant == "pld"
-            and not isinstance(sub.event, dpa.GaussianDpEvent)
-        ):
-            return (
-                "the PLD accountant prices sampling without replacement only for a Gaussian release; "
-                "use accountant='rdp'"
-            )
-        if isinstance(sub, dpa.PoissonSampledDpEvent) and accountant == "rdp" and neighbouring == REPLACE_ONE:
-            return (
-                "dp_accounting's RDP accountant does not support Poisson sampling under replace-one; "
-                "use accountant='pld' or neighbouring='add-remove'"
-            )
-        if isinstance(sub, dpa.ZCDpEvent) and accountant == "pld":
-            return (
-                "this release is an RDP (zCDP-form) curve, which dp_accounting's PLD accountant cannot "
-                "compose; use accountant='rdp'"
-            )
-    probe = make_accountant(accountant, neighbouring, orders=(2.0,))
-    if accountant == "pld":
-        event = pld_stand_in(event)
-    if not probe.supports(for_accountant(event, accountant, neighbouring)):
-        return f"dp_accounting's {accountant.upper()} accountant does not support {type(event).__name__}"
-    return None
+    return accountant_backend(accountant).unsupported_reason(event, neighbouring)
 
 
 def tightest_accountant(event: dpa.DpEvent, neighbouring: str) -> str:
-    """``"pld"`` where the PLD accountant (with dpvr's PLDs for fixed-size batches and random allocation)
-    prices ``event`` under ``neighbouring``, else ``"rdp"``.
+    """The tightest registered accountant (highest ``tightness``) that accounts ``event`` under
+    ``neighbouring``; the loosest if none of the others does (its refusal then explains why). With dpvr's
+    own backends: ``"pld"`` where the PLD accountant (with dpvr's PLDs for fixed-size batches and random
+    allocation) prices ``event``, else ``"rdp"``.
 
     Where both apply, PLD is the tighter: it is exact up to a pessimistic discretisation, where RDP loses in
     its conversion to ``(epsilon, delta)`` and, for fixed-size batches, in dp_accounting's generic bound
     (about twice PLD's noise for the same budget)."""
-    return "pld" if unsupported_reason(event, "pld", neighbouring) is None else "rdp"
+    ranked = accountant_backends()
+    if not ranked:
+        raise ValueError("no accountant is registered")
+    for backend in ranked[:-1]:
+        if backend.unsupported_reason(event, neighbouring) is None:
+            return backend.name
+    return ranked[-1].name
 
 
 def require_supported(event: dpa.DpEvent, accountant: str, neighbouring: str) -> None:

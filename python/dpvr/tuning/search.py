@@ -21,8 +21,8 @@ from dp_accounting import dp_event
 
 from ..optim import DivergedError, PrivacyConfig, PrivateAlgorithm
 from ..privacy import Accountant, calibrate, event_from_dict
+from ..privacy.backends import RDP
 from ..privacy.events import Plan, output_perturbation_multiplier
-from ..privacy.relations import for_accountant, make_accountant
 from .independence import Independence
 from .trials import TrialCount
 
@@ -116,8 +116,8 @@ def search_event(trial_event: dpa.DpEvent, count: TrialCount) -> dp_event.Repeat
 
 def epsilon_of(event: dpa.DpEvent, delta: float, neighbouring: str) -> float:
     """epsilon at ``delta`` of ``event`` (dpvr's convention) by dp_accounting's RDP accountant."""
-    accountant = make_accountant("rdp", neighbouring)
-    accountant.compose(for_accountant(event, "rdp", neighbouring))
+    accountant = RDP.make(neighbouring)
+    accountant.compose(RDP.rewrite(event, neighbouring))
     return float(accountant.get_epsilon(delta))
 
 
@@ -278,7 +278,7 @@ def tune(
         if best is None or key > best[0]:
             best = (key, index, algorithm)
 
-    accountant = Accountant("rdp", trial.neighbouring)
+    accountant = Accountant(RDP.name, trial.neighbouring)
     accountant.record(_SEARCH_STREAM, event)
     if trial.failure_probability:
         accountant.add_failure_probability(count.mean * trial.failure_probability)
@@ -349,8 +349,8 @@ def _template(privacy: PrivacyConfig | None) -> PrivacyConfig:
     if template.epsilon is not None:
         raise ValueError("privacy.epsilon is set by tune (the per-trial budget); leave it None")
     if template.accountant is None:  # "the tightest one": for a search, the one with its analysis
-        template = dataclasses.replace(template, accountant="rdp")
-    if template.accountant != "rdp":
+        template = dataclasses.replace(template, accountant=RDP.name)
+    if template.accountant != RDP.name:
         raise ValueError(
             "the search is accounted by dp_accounting's RDP accountant: privacy.accountant must "
             f"be 'rdp', got {template.accountant!r}"
@@ -425,7 +425,7 @@ class _Calibration:
             per_trial_epsilon,
             self.delta,
             shares=self.template.shares,
-            accountant="rdp",
+            accountant=RDP.name,
             calibration=self.template.calibration,
             **(self.template.paper_options if self.template.calibration == "paper" else {}),
         )
