@@ -28,8 +28,11 @@ private data without passing through a release.
 release (for the record exposed most often), with the noise multiplier the bound used, and for the batch
 sizes, dataset sizes and sampling rates that were actually drawn.
 
-Factories (one function per algorithm, :data:`ALGORITHMS`) build every algorithm from a dataset and a plain
-config dictionary; ``tests/test_sensitivity.py`` generates the configurations.
+Factories (one function per algorithm, :data:`ALGORITHMS`, keyed by the algorithm's name in
+:mod:`dpvr.registry`) build every algorithm from a dataset and a plain config dictionary;
+``tests/test_sensitivity.py`` generates the configurations. An algorithm that releases once per run instead
+(the phased framework) has its own lockstep, :data:`OUTPUT_PERTURBATION`; :func:`uncovered` names every
+registry algorithm that has neither, which the tests refuse.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from torch import nn
 
 import dpvr
 import dpvr.ops
+from dpvr import registry
 from dpvr.objectives import KL, AUCMargin, AUCModel, ChiSquare, LogisticRegression
 from dpvr.objectives.dro import cross_entropy
 from dpvr.optim import (
@@ -308,6 +312,30 @@ def build_dpgd(data: Shard, config: Config) -> PrivateAlgorithm:
     return build_dpsgd(data, config, DPGD)
 
 
+def build_last_iterate(data: Shard, config: Config) -> PrivateAlgorithm:
+    """Cyclic DP-SGD accounted by its last-iterate bound: DP-SGD with the registry entry's options."""
+    options = {**config["options"], **registry.get("last-iterate").algorithm_options}
+    return build_dpsgd(data, {**config, "options": options})
+
+
+def registry_factory(
+    name: str, streams: Sequence[str] = ("gradient",), task: Task = REGRESSION
+) -> Callable[[Shard, Config], PrivateAlgorithm]:
+    """A factory for registry algorithm ``name`` whose class is built like DP-SGD's,
+    ``cls(model, loss, inputs, targets, noise={stream: z}, **settings)`` on one dataset: the class and its
+    options from the registry entry, the model and loss from ``task``, one noise multiplier per stream of
+    ``streams``."""
+
+    def build(data: Shard, config: Config) -> PrivateAlgorithm:
+        spec = registry.get(name)
+        x, y = data
+        options = {**spec.algorithm_options, **_settings(config)}
+        model = task.model(config.get("bias", True))
+        return spec.algorithm_class()(model, task.loss, x, y, **_noise(streams, config), **options)
+
+    return build
+
+
 def build_diff2(data: list[Shard], config: Config) -> PrivateAlgorithm:
     o, sizes = config["options"], [len(x) for x, _ in data]
     local = o.get("routine") == "bvr-l-sgd"
@@ -388,16 +416,18 @@ class Algorithm:
     exposure: Callable[[PrivateAlgorithm, Release], Hashable | None] = lambda alg, release: None
 
 
+#: The stepped algorithms, keyed by their names in :mod:`dpvr.registry`.
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("DP-SGD", build_dpsgd, REGRESSION, tight=("gradient",)),
-        Algorithm("DP-GD", build_dpgd, REGRESSION, tight=("gradient",)),
-        Algorithm("DIFF2", build_diff2, REGRESSION, tight=("restart",), exposure=_diff2_exposure),
-        Algorithm("DP-SGDA", build_dpsgda, MINIMAX, tight=("x", "y")),
-        Algorithm("PrivateDiff", build_private_diff, MINIMAX, tight=("checkpoint", "y")),
-        Algorithm("Double-SPIDER", build_double_spider, DRO, tight=("eta-refresh",)),
-        Algorithm("Recursive-SPIDER", build_recursive_spider, DRO, tight=("s",)),
+        Algorithm("dp-sgd", build_dpsgd, REGRESSION, tight=("gradient",)),
+        Algorithm("dp-gd", build_dpgd, REGRESSION, tight=("gradient",)),
+        Algorithm("diff2", build_diff2, REGRESSION, tight=("restart",), exposure=_diff2_exposure),
+        Algorithm("dp-sgda", build_dpsgda, MINIMAX, tight=("x", "y")),
+        Algorithm("private-diff", build_private_diff, MINIMAX, tight=("checkpoint", "y")),
+        Algorithm("double-spider", build_double_spider, DRO, tight=("eta-refresh",)),
+        Algorithm("recursive-spider", build_recursive_spider, DRO, tight=("s",)),
+        Algorithm("last-iterate", build_last_iterate, REGRESSION, tight=("gradient",)),
     )
 }
 
@@ -877,9 +907,12 @@ def older_resume_problems(spec: Algorithm, config: Config, data: Data, at: int) 
     """Runs ``spec`` to the end with a checkpoint after ``at`` steps, then resumes that (older) checkpoint in
     a fresh algorithm and runs it to the end again; noise on. The resumed accountant must charge every
     release both branches made, per stream and for the record exposed most (the releases the first branch
-    made after the checkpoint come from the run's ledger), and the re-run branch must draw other batches
-    than the first from the same sampler state (fresh sampling randomness). ``None``: the library refused
-    to go on from the older checkpoint (a last-iterate run that released its last iterate)."""
+    made after the checkpoint come from the run's ledger), and the re-run branch must have fresh sampling
+    randomness: every random sampler restarted from another state than the checkpoint's, and other batches
+    drawn than the first branch's where drawing the same ones again by chance is unlikely
+    (:data:`REPEAT_CHANCE`; a small run's few batches of a few records repeat often, and a fixed-size batch
+    of the whole dataset always does). ``None``: the library refused to go on from the older checkpoint (a
+    last-iterate run that released its last iterate)."""
     first = spec.build(data, config)
     with tempfile.TemporaryDirectory() as tmp, Tape(noise=True).running() as tape:
         path = os.path.join(tmp, "run.ckpt")
@@ -887,6 +920,7 @@ def older_resume_problems(spec: Algorithm, config: Config, data: Data, at: int) 
             if step == at + 1:
                 first.save_checkpoint(path)
                 branch_start = len(tape.draws)
+                at_checkpoint = _random_sampler_states(first)
             tape.step = step
             first.step()
         resumed = spec.build(data, config)
@@ -897,15 +931,43 @@ def older_resume_problems(spec: Algorithm, config: Config, data: Data, at: int) 
                 return None
             raise
         first_branch = tape.draws[branch_start:]
+        restarted = _random_sampler_states(resumed)
         for step in range(at + 1, resumed.total_steps + 1):
             tape.step = step
             resumed.step()
     problems = accounting_problems(resumed, tape.releases, spec.exposure, complete_plan=False)
+    if len(restarted) != len(at_checkpoint):
+        problems.append(f"{len(restarted)} random samplers after the resume, {len(at_checkpoint)} before")
+    for k, (before, after) in enumerate(zip(at_checkpoint, restarted)):
+        if before == after:
+            problems.append(f"random sampler {k} re-runs from the state it had: its sampling is not fresh")
     rerun = tape.draws[len(tape.draws) - len(first_branch) :]
     sampled = [d for d in first_branch if d.scheme in ("poisson", "wor", "random-allocation")]
-    if sampled and [d.indices.tolist() for d in rerun] == [d.indices.tolist() for d in first_branch]:
+    same = [d.indices.tolist() for d in rerun] == [d.indices.tolist() for d in first_branch]
+    if sampled and same and _repeat_chance(sampled) < REPEAT_CHANCE:
         problems.append("the re-run drew the first branch's batches again: its sampling is not fresh")
     return problems
+
+
+REPEAT_CHANCE = 1e-4  # below this chance of a repeat, a re-run that draws the same batches is not fresh
+
+
+def _random_sampler_states(alg: PrivateAlgorithm) -> list[dict[str, Any]]:
+    """The state of each of ``alg``'s samplers that draws at random."""
+    return [s.state_dict() for s in alg._samplers() if s.scheme in ("poisson", "wor", "random-allocation")]
+
+
+def _repeat_chance(draws: Sequence[Draw]) -> float:
+    """The chance that independent sampling draws these batches again: ``1 / C(n, b)`` for a fixed-size
+    batch, ``(q^2 + (1 - q)^2)^n`` for a Poisson one; a random allocation's batch is counted as 1 (an upper
+    bound)."""
+    chance = 1.0
+    for d in draws:
+        if d.scheme == "wor":
+            chance /= math.comb(d.population, len(d.indices))
+        elif d.scheme == "poisson":
+            chance *= (d.rate**2 + (1 - d.rate) ** 2) ** d.population
+    return chance
 
 
 # ---- phased output perturbation -------------------------------------------------------------------------
@@ -968,3 +1030,16 @@ def phased_accounting_problems(result: Any, releases: Sequence[Release]) -> list
             if single and not math.isclose(_gaussian(e["event"])["noise_multiplier"], z, rel_tol=1e-12):
                 problems.append(f"stream {name!r}: charged with another noise multiplier than released")
     return problems
+
+
+#: The algorithms that release once per run (per phase) rather than per step, keyed by their names in
+#: :mod:`dpvr.registry`: each maps a config to its lockstep (the result, the comparisons, the releases).
+OUTPUT_PERTURBATION: dict[str, Callable[[Config], tuple[Any, list[Comparison], list[Release]]]] = {
+    "phased": phased_lockstep,
+}
+
+
+def uncovered() -> list[str]:
+    """The algorithms of :mod:`dpvr.registry` that the harness cannot run: a new one needs an entry in
+    :data:`ALGORITHMS` (or :data:`OUTPUT_PERTURBATION`)."""
+    return sorted(set(registry.REGISTRY) - set(ALGORITHMS) - set(OUTPUT_PERTURBATION))

@@ -1,15 +1,24 @@
-"""The algorithm registry: every entry resolves, its defaults are the Python API's, and audits are covered."""
+"""The algorithm registry: every entry resolves, its defaults are the Python API's, audits are covered, and
+``make_private`` runs every entry with a layout and refuses the others.
+
+The lists below are keyed by registry name and must cover the registry: a new entry fails here until it has
+its example run and its front-door settings.
+"""
 
 import dataclasses
 import inspect
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
+import dpvr
+import sensitivity as harness
+from dpvr import registry
 from dpvr.audit import TARGETS
-from dpvr.optim import DPGD, DPSGD, PrivacyConfig
+from dpvr.optim import DPGD, DPSGD, MinimaxAlgorithm, PrivacyConfig
 from dpvr.privacy import NEIGHBOURING, calibrate
-from dpvr.registry import CALIBRATION, PRIVACY, REGISTRY, audit_games, get
+from dpvr.registry import CALIBRATION, LAYOUTS, PRIVACY, PROBLEMS, REGISTRY, audit_games, get
 
 # One small run per algorithm: the registry's required arguments (a new entry needs one here).
 EXAMPLES = {
@@ -46,13 +55,29 @@ EXAMPLES = {
 
 
 def test_the_registry_names_every_algorithm_once():
-    assert list(REGISTRY) == [
-        "dp-sgd", "dp-gd", "diff2", "dp-sgda", "private-diff", "double-spider", "recursive-spider", "phased",
-        "last-iterate",
-    ]  # fmt: skip
-    assert set(EXAMPLES) == set(REGISTRY)
+    assert REGISTRY and all(name == spec.name for name, spec in REGISTRY.items())
+    missing, unknown = sorted(set(REGISTRY) - set(EXAMPLES)), sorted(set(EXAMPLES) - set(REGISTRY))
+    assert not missing and not unknown, f"EXAMPLES lacks {missing}, names no algorithm {unknown}"
     with pytest.raises(ValueError, match="unknown algorithm 'dp-sdg'"):
         get("dp-sdg")
+
+
+def test_register_adds_an_entry_and_refuses_clashes():
+    spec = dataclasses.replace(REGISTRY["dp-sgd"], name="dp-sgd-copy", audit_games=())
+    with registry.registered(spec) as entry:
+        assert entry is spec and get("dp-sgd-copy") is spec and "dp-sgd-copy" in registry.front_door()
+        with pytest.raises(ValueError, match="registered already"):
+            registry.register(spec)
+    assert "dp-sgd-copy" not in REGISTRY
+    with pytest.raises(ValueError, match="belong to other algorithms"):
+        registry.register(dataclasses.replace(spec, audit_games=("dp-sgd",)))
+    assert "dp-sgd-copy" not in REGISTRY
+    with pytest.raises(TypeError, match="AlgorithmSpec"):
+        registry.register("dp-sgd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layout"):
+        dataclasses.replace(spec, layout="minibatch")
+    with pytest.raises(ValueError, match="problem"):
+        dataclasses.replace(spec, problem="maximin")
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))
@@ -149,3 +174,134 @@ def test_the_papers_algorithms_default_to_replace_one(name):
 def test_make_plan_names_missing_and_unknown_arguments():
     with pytest.raises(ValueError, match=r"unknown arguments \['rounds'\], missing \['steps'\]"):
         REGISTRY["diff2"].make_plan({"dataset_size": 10, "clients": 2, "rounds": 4, "restart": 2})
+
+
+# ---- the front door: make_private reads each entry's layout -----------------------------------------------
+def _regression(n: int = 12) -> TensorDataset:
+    x, y = harness.REGRESSION.records(n, torch.Generator().manual_seed(0))
+    return TensorDataset(x, y)
+
+
+def _classification(n: int = 12) -> TensorDataset:
+    return TensorDataset(*harness.DRO.records(n, torch.Generator().manual_seed(0)))
+
+
+def _minimax(n: int = 12) -> TensorDataset:
+    return TensorDataset(*harness.MINIMAX.records(n, torch.Generator().manual_seed(0)))
+
+
+def _squared(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (0.5 * (output.squeeze(-1) - target) ** 2).mean()
+
+
+_LINEAR = (lambda: harness.REGRESSION.model(True), _squared, _regression)
+_DRO = (lambda: harness.DRO.model(True), torch.nn.CrossEntropyLoss(), _classification)
+_AUC = (lambda: harness.MINIMAX.model(True), harness.MINIMAX.problem, _minimax)
+
+# One small front-door run per algorithm with a layout: (model, criterion, data) and make_private's keywords.
+FRONT_DOOR = {
+    "dp-sgd": (_LINEAR, {"batch_size": 4, "epochs": 1, "lr": 0.1, "clip": 1.0}),
+    "dp-gd": (_LINEAR, {"steps": 2, "lr": 0.1, "clip": 1.0}),
+    "diff2": (_LINEAR, {"steps": 2, "restart": 2, "lr": 0.1, "clip": {"restart": 1.0, "difference": 1.0}}),
+    "dp-sgda": (_AUC, {"batch_size": 4, "steps": 2, "lr": 0.1, "lr_y": 0.1, "clip": {"x": 1.0, "y": 1.0}}),
+    "private-diff": (
+        _AUC,
+        {
+            "batch_size": 4,
+            "steps": 2,
+            "restart": 2,
+            "y_steps": 1,
+            "lr": 0.1,
+            "lr_y": 0.1,
+            "clip": {"checkpoint": 1.0, "difference": (1.0, 0.0), "y": 1.0},
+        },
+    ),
+    "double-spider": (
+        _DRO,
+        {
+            "steps": 2,
+            "restart": 2,
+            "batch_sizes": (12, 4, 12, 4),
+            "divergence": harness.ChiSquare(),
+            "lam": 1.0,
+            "lr": 0.1,
+            "lr_eta": 0.1,
+            "max_move": 1.0,
+            "clip": {
+                "eta-refresh": 1.0,
+                "eta-difference": (1.0, 1.0),
+                "x-refresh": 1.0,
+                "x-difference": (1.0, 1.0),
+            },
+        },
+    ),
+    "recursive-spider": (
+        _DRO,
+        {
+            "steps": 2,
+            "restart": 2,
+            "batch_sizes": (12, 4, 12, 4),
+            "rho": 0.5,
+            "lam0": 0.1,
+            "lr": 0.1,
+            "lr_lam": 0.05,
+            "beta": 0.5,
+            "loss_bound": 10.0,
+            "clip": {"v-refresh": 1.0, "v-difference": 1.0, "u-refresh": 1.0, "u-difference": 1.0, "s": 1.0},
+        },
+    ),
+    "last-iterate": (
+        _LINEAR,
+        {"batch_size": 4, "epochs": 1, "lr": 0.1, "clip": 1.0, "weak_convexity": 0.0, "smoothness": 1.0},
+    ),
+}
+
+
+def test_the_front_door_covers_every_entry_with_a_layout():
+    front = registry.front_door()
+    assert set(FRONT_DOOR) == set(front), f"FRONT_DOOR must name exactly {sorted(front)}"
+    assert set(front) == {name for name, spec in REGISTRY.items() if spec.layout is not None}
+    assert set(dpvr.trainer.ALGORITHMS) == set(front)
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_each_entrys_layout_fits_its_class(name):
+    """The fields make_private reads agree with the class that runs the algorithm."""
+    spec = REGISTRY[name]
+    assert spec.layout in (*LAYOUTS, None) and spec.problem in PROBLEMS
+    if spec.layout is None:
+        return
+    cls = spec.algorithm_class()
+    parameters = inspect.signature(cls).parameters
+    assert (spec.problem == "minimax") == issubclass(cls, MinimaxAlgorithm)
+    assert spec.federated == ("clients" in parameters)
+    if spec.layout == "sampled":  # make_private passes batch_size and reads the sampling scheme
+        assert "batch_size" in parameters
+        sampling = parameters.get("sampling")
+        assert "sampling" in spec.algorithm_options or (
+            sampling is not None and sampling.default is not inspect.Parameter.empty
+        )
+    if spec.layout == "per-stream":
+        assert "batch_sizes" in parameters
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_make_private_runs_every_entry_with_a_layout_and_refuses_the_others(name):
+    spec = REGISTRY[name]
+    if spec.layout is None:
+        model, criterion, data = _LINEAR
+        with pytest.raises(ValueError, match="algorithm: must be one of"):
+            dpvr.make_private(model(), criterion, data(), algorithm=name, epsilon=1.0, steps=1)
+        return
+    (model, criterion, data), settings = FRONT_DOOR[name]
+    trainer = dpvr.make_private(model(), criterion, data(), algorithm=name, epsilon=2.0, **settings)
+    assert isinstance(trainer.algorithm, spec.algorithm_class())
+    trainer.run()
+    assert trainer.steps_done == trainer.total_steps >= 1
+    assert trainer.privacy_spent().epsilon <= 2.0 * (1 + 1e-9)
+
+
+def test_make_private_refuses_an_unknown_algorithm():
+    model, criterion, data = _LINEAR
+    with pytest.raises(ValueError, match="algorithm: must be one of"):
+        dpvr.make_private(model(), criterion, data(), algorithm="dp-sdg", epsilon=1.0, steps=1)

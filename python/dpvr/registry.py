@@ -3,9 +3,11 @@
 An entry ties a name (``diff2``) to everything the layers above the algorithms need: the plan that describes
 a run's releases to the accountant, the arguments that plan takes (with the Python API's defaults, which the
 command line shows and uses), the paper's name for each stream's noise, the class that runs the algorithm,
-its default neighbouring relation and the audit games that exercise it. ``dpvr account|calibrate`` build
-their flags from it and ``dpvr audit`` lists its games by it, so adding an algorithm is one entry here (and
-its games in :data:`dpvr.audit.TARGETS`).
+its default neighbouring relation, how ``make_private`` lays out its run and the audit games that exercise
+it. ``dpvr account|calibrate`` build their flags from it, ``make_private`` reads its layout from it and
+``dpvr audit`` lists its games by it, so adding an algorithm is its plan (:class:`dpvr.privacy.Plan`), its
+class (:class:`dpvr.optim.PrivateAlgorithm`) and one entry here: the built-in ones below, or
+:func:`register` for an algorithm defined outside dpvr (its games, if any, in :data:`dpvr.audit.TARGETS`).
 
 The registry sits above :mod:`dpvr.optim` and :mod:`dpvr.audit` and imports neither: classes are named by
 import path and games by name, resolved on demand, so reading it costs no torch import.
@@ -13,11 +15,12 @@ import path and games by name, resolved on demand, so reading it costs no torch 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .privacy import (
     ACCOUNTANTS,
@@ -89,9 +92,16 @@ class Sigma:
     help: str
 
 
+#: How ``make_private`` lays out a run (:attr:`AlgorithmSpec.layout`).
+LAYOUTS = ("sampled", "full-batch", "per-stream")
+#: What an algorithm solves (:attr:`AlgorithmSpec.problem`).
+PROBLEMS = ("minimisation", "minimax")
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """One algorithm: its plan, arguments, paper sigmas, class, default relation and audit games.
+    """One algorithm: its plan, arguments, paper sigmas, class, default relation, front-door layout and audit
+    games.
 
     - ``plan(**values, neighbouring=...)`` builds the plan from one value per :attr:`arguments` entry;
       ``plan_type`` is the class it returns, which knows the default relation
@@ -101,6 +111,17 @@ class AlgorithmSpec:
     - ``paper_options``: keyword arguments of the plan's ``paper_noise`` (``calibration="paper"``);
     - ``algorithm``: ``"module:Class"`` of the class that runs it, constructed with ``algorithm_options``
       (e.g. ``sampling="cyclic"`` for last-iterate DP-SGD);
+    - ``layout``: how :func:`dpvr.make_private` lays out a run of it, ``None`` where it does not run it
+      (``phased``: bring your own solver, through :mod:`dpvr.optim.phased`):
+
+      - ``"sampled"``: one batch of ``batch_size`` records per step (required), its scheme the class's
+        ``sampling``; an epoch is the sampler's (:func:`dpvr.optim.sampling.steps_per_epoch`);
+      - ``"full-batch"``: every step reads the whole dataset, so an epoch is one step (no ``batch_size``);
+      - ``"per-stream"``: each stream has its own batch size (the algorithm's ``batch_sizes``), so there is
+        no single epoch: the run's length is ``steps=`` only;
+    - ``problem`` and ``federated``, read by ``make_private`` only: ``problem`` is ``"minimisation"`` (it
+      takes a loss callable) or ``"minimax"`` (a :class:`~dpvr.problems.MinimaxProblem`); a ``federated``
+      class takes one dataset per client (``make_private`` passes its list of datasets);
     - ``audit_games``: the keys of :data:`dpvr.audit.TARGETS` that audit it.
     """
 
@@ -114,11 +135,18 @@ class AlgorithmSpec:
     sigmas: tuple[Sigma, ...] = ()
     noise: Argument | None = None
     paper_options: tuple[Argument, ...] = ()
+    layout: Literal["sampled", "full-batch", "per-stream"] | None = None
+    problem: Literal["minimisation", "minimax"] = "minimisation"
+    federated: bool = False
     audit_games: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.noise is None) == (not self.sigmas):
             raise ValueError(f"{self.name}: give the noise either as paper sigmas or as noise multipliers")
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"{self.name}: layout must be one of {LAYOUTS} or None, got {self.layout!r}")
+        if self.problem not in PROBLEMS:
+            raise ValueError(f"{self.name}: problem must be one of {PROBLEMS}, got {self.problem!r}")
 
     def algorithm_class(self) -> type:
         """The class that runs the algorithm (imported now)."""
@@ -244,6 +272,7 @@ _SPECS = (
         ),
         "dpvr.optim:DPSGD",
         noise=_NOISE_MULTIPLIER,
+        layout="sampled",
         audit_games=("dp-sgd",),
     ),
     AlgorithmSpec(
@@ -255,6 +284,7 @@ _SPECS = (
         "dpvr.optim:DPGD",
         algorithm_options={"sampling": "full"},
         noise=_NOISE_MULTIPLIER,
+        layout="full-batch",
         audit_games=("dp-gd", "dp-gd-input"),
     ),
     AlgorithmSpec(
@@ -284,6 +314,8 @@ _SPECS = (
             Argument("u1", float, "u1 of Proposition E.2 (BVR-L-SGD)", default=3.0),
             Argument("u2", float, "u2 of Proposition E.2 (BVR-L-SGD)", default=3.0),
         ),
+        layout="full-batch",
+        federated=True,
         audit_games=("diff2-gd", "diff2-bvr-l-sgd"),
     ),
     AlgorithmSpec(
@@ -303,6 +335,8 @@ _SPECS = (
             Sigma("x", "sigma_x", "noise std over C1 on the x-gradient batch mean"),
             Sigma("y", "sigma_y", "noise std over C2 on the y-gradient batch mean"),
         ),
+        layout="sampled",
+        problem="minimax",
         audit_games=("dp-sgda",),
     ),
     AlgorithmSpec(
@@ -337,6 +371,8 @@ _SPECS = (
                 "replace-one sensitivity of y",
             ),
         ),
+        layout="sampled",
+        problem="minimax",
         audit_games=("private-diff", "private-diff-difference", "private-diff-y-output"),
     ),
     AlgorithmSpec(
@@ -347,6 +383,7 @@ _SPECS = (
         _double_arguments,
         "dpvr.optim:DoubleSpider",
         noise=_double_noise,
+        layout="per-stream",
         audit_games=("double-spider", "double-spider-difference", "double-spider-eta"),
     ),
     AlgorithmSpec(
@@ -357,6 +394,7 @@ _SPECS = (
         _recursive_arguments,
         "dpvr.optim:RecursiveSpider",
         noise=_recursive_noise,
+        layout="per-stream",
         audit_games=(
             "recursive-spider",
             "recursive-spider-difference",
@@ -386,6 +424,7 @@ _SPECS = (
             ),
         ),
         "dpvr.optim.phased:PhasedOutputPerturbation",
+        layout=None,  # make_private does not run it: the phases call the user's own solver
         sigmas=(
             Sigma("x", "sigma_x", "noise std over the replace-one sensitivity of x"),
             Sigma("y", "sigma_y", "noise std over the replace-one sensitivity of y"),
@@ -433,12 +472,13 @@ _SPECS = (
         "dpvr.optim:DPSGD",
         algorithm_options={"sampling": "cyclic"},
         sigmas=(Sigma("gradient", "sigma", "noise std in parameter space"),),
+        layout="sampled",
         audit_games=("last-iterate",),
     ),
 )
 
-#: Every algorithm by name, in the order the command line lists them.
-REGISTRY: dict[str, AlgorithmSpec] = {spec.name: spec for spec in _SPECS}
+#: Every algorithm by name, in the order the command line lists them (change it through :func:`register`).
+REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
 #: The privacy settings every algorithm shares, with the defaults of :class:`dpvr.optim.PrivacyConfig`. A
@@ -485,21 +525,68 @@ def get(name: str) -> AlgorithmSpec:
         raise ValueError(f"unknown algorithm {name!r}; one of {sorted(REGISTRY)}") from None
 
 
+def register(spec: AlgorithmSpec) -> AlgorithmSpec:
+    """Adds ``spec`` to :data:`REGISTRY` (and so to ``dpvr account|calibrate`` and, with a ``layout``, to
+    :func:`dpvr.make_private`); returns it. A name or an audit game another entry has is refused."""
+    if not isinstance(spec, AlgorithmSpec):
+        raise TypeError(f"spec: expected an AlgorithmSpec, got {type(spec).__name__}")
+    if spec.name in REGISTRY:
+        raise ValueError(f"algorithm {spec.name!r} is registered already")
+    claimed = sorted(set(spec.audit_games) & set(audit_games()))
+    if claimed:
+        raise ValueError(f"{spec.name}: audit games {claimed} belong to other algorithms")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> AlgorithmSpec:
+    """Removes algorithm ``name`` from :data:`REGISTRY`; returns its entry."""
+    spec = get(name)
+    del REGISTRY[name]
+    return spec
+
+
+@contextlib.contextmanager
+def registered(spec: AlgorithmSpec) -> Iterator[AlgorithmSpec]:
+    """``spec`` registered for the block's duration (e.g. a test's own algorithm)."""
+    register(spec)
+    try:
+        yield spec
+    finally:
+        unregister(spec.name)
+
+
+def front_door() -> tuple[str, ...]:
+    """The algorithms :func:`dpvr.make_private` runs (those with a :attr:`~AlgorithmSpec.layout`)."""
+    return tuple(name for name, spec in REGISTRY.items() if spec.layout is not None)
+
+
 def audit_games() -> dict[str, str]:
     """Every audit game, mapped to the algorithm it audits."""
     return {game: spec.name for spec in REGISTRY.values() for game in spec.audit_games}
 
 
+for _spec in _SPECS:
+    register(_spec)
+del _spec
+
+
 __all__ = [
     "CALIBRATION",
+    "LAYOUTS",
     "PRIVACY",
+    "PROBLEMS",
     "REGISTRY",
     "AlgorithmSpec",
     "Argument",
     "Sigma",
     "audit_games",
     "floats",
+    "front_door",
     "get",
     "ints",
+    "register",
+    "registered",
     "shares",
+    "unregister",
 ]

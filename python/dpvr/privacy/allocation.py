@@ -14,7 +14,7 @@ with, for stream ``s``:
 - ``d_s``: the length of the released vector (the model's parameter count for x-streams, ``y``'s length
   for a minimax ``y``, 1 for a scalar dual);
 - ``z_s * scale_s``: the noise std on the released vector per unit of its clip radius (``scale_s`` is
-  ``1 / b_s`` for a mean over ``b_s`` records; :meth:`~dpvr.privacy.events.Plan.sigma`);
+  ``1 / b_s`` for a mean over ``b_s`` records; :meth:`~dpvr.privacy.events.Plan.stream_scale`);
 - ``exposure_s``: how many of the stream's noise draws the estimator carries, averaged over the steps.
   A reset release (a restart / checkpoint / refresh) is carried until the next reset: exposure 1. A
   difference release is added to the estimator and carried until the next reset: a period of ``L`` rounds
@@ -49,21 +49,9 @@ theorem its shift does not enter the stationarity condition).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import Protocol
-
-from .events import (
-    DIFF2Plan,
-    DPSGDAPlan,
-    DPSGDPlan,
-    PhasedPlan,
-    Plan,
-    PrivateDiffPlan,
-    RecursiveSpiderPlan,
-    _SpiderPlan,
-)
 
 
 class HasYDim(Protocol):
@@ -72,91 +60,59 @@ class HasYDim(Protocol):
     y_dim: int
 
 
-def _accumulated(rounds: int, period: int) -> float:
-    """Difference draws carried per round when a reset comes every ``period`` of ``rounds`` rounds."""
-    lengths = [period] * (rounds // period) + ([rounds % period] if rounds % period else [])
-    return math.fsum(n * (n - 1) / 2 for n in lengths) / rounds
+class ProxyPlan(Protocol):
+    """What the error proxy reads from a plan; every :class:`~dpvr.privacy.events.Plan` has it, and each
+    algorithm's plan states its own (:meth:`~dpvr.privacy.events.Plan.exposures`,
+    :meth:`~dpvr.privacy.events.Plan.stream_vector`, :meth:`~dpvr.privacy.events.Plan.stream_scale`)."""
+
+    @property
+    def streams(self) -> tuple[str, ...]: ...
+
+    def exposures(self) -> dict[str, float]: ...
+
+    def stream_vector(self, stream: str) -> str: ...
+
+    def stream_scale(self, stream: str) -> float: ...
 
 
-@functools.singledispatch
-def exposures(plan: Plan) -> dict[str, float]:
-    """Per stream with releases: the noise draws the estimator carries per step (see the module docs)."""
-    raise ValueError(f"shares='auto' has no error proxy for {type(plan).__name__}")
+def exposures(plan: ProxyPlan) -> dict[str, float]:
+    """Per stream with releases: the noise draws the estimator carries per step (see the module docs), as
+    the plan states them (:meth:`~dpvr.privacy.events.Plan.exposures`). A mechanism factory that is no
+    plan, or a plan without an error proxy, is refused."""
+    carried = getattr(plan, "exposures", None)
+    if carried is None:
+        raise ValueError(f"shares='auto' has no error proxy for {type(plan).__name__}")
+    return carried()
 
 
-@exposures.register
-def _(plan: DPSGDPlan) -> dict[str, float]:
-    return {"gradient": 1.0}
-
-
-@exposures.register
-def _(plan: DIFF2Plan) -> dict[str, float]:
-    carried = {
-        "restart": 1.0,
-        "difference": _accumulated(plan.steps, plan.restart),
-        "local": (plan.local_steps - 1) / 2,
-    }
-    return {s: carried[s] for s in plan.streams}
-
-
-@exposures.register
-def _(plan: DPSGDAPlan) -> dict[str, float]:
-    return {"x": 1.0, "y": 1.0}
-
-
-@exposures.register
-def _(plan: PrivateDiffPlan) -> dict[str, float]:
-    carried = {
-        "checkpoint": 1.0,
-        "difference": _accumulated(plan.steps, plan.restart),
-        "y": 1.0 / plan.y_steps if plan.y_release == "ascent" else 1.0,
-    }
-    return {s: carried[s] for s in plan.streams}
-
-
-@exposures.register
-def _(plan: _SpiderPlan) -> dict[str, float]:
-    phase = dict(plan._layout)
-    carried = {"refresh": 1.0, "difference": _accumulated(plan.steps, plan.restart), "every": 1.0}
-    return {s: carried[phase[s]] for s in plan.streams}
-
-
-@exposures.register
-def _(plan: PhasedPlan) -> dict[str, float]:
-    return dict.fromkeys(plan.streams, 1.0)
-
-
-def _scale(plan: Plan, stream: str) -> float:
-    """Noise std on the released vector per unit clip radius and unit noise multiplier."""
-    if isinstance(plan, _SpiderPlan):  # their noise multipliers are per record: the mean divides by b
-        return 1.0 / plan.batch_size(stream)
-    return plan.sigma(1.0, stream)
-
-
-def stream_dimensions(plan: Plan, parameters: int, problem: HasYDim | None = None) -> dict[str, int]:
+def stream_dimensions(plan: ProxyPlan, parameters: int, problem: HasYDim | None = None) -> dict[str, int]:
     """The length of the vector each stream of ``plan`` releases, from the algorithm's public shapes.
 
     ``parameters``: the model's trainable parameter count (the x-streams); ``problem``: the minimax problem,
     whose ``y_dim`` is the length of ``y`` (left out when not given). DRO duals (Double-SPIDER's eta,
-    Recursive-SPIDER's lambda-gradient ``u`` and STORM value ``s``) are scalars.
+    Recursive-SPIDER's lambda-gradient ``u`` and STORM value ``s``) are scalars. The plan says which is which
+    (:meth:`~dpvr.privacy.events.Plan.stream_vector`).
     """
-    if isinstance(plan, RecursiveSpiderPlan):
-        scalars = {"u-refresh", "u-difference", "s"}
-    else:
-        scalars = {"eta-refresh", "eta-difference"}
-    y_streams = {"y"} if isinstance(plan, (DPSGDAPlan, PrivateDiffPlan, PhasedPlan)) else set()
     dimensions: dict[str, int] = {}
     for stream in plan.streams:
-        if stream in y_streams:
+        vector = plan.stream_vector(stream)
+        if vector == "y":
             if problem is not None:
                 dimensions[stream] = int(problem.y_dim)
+        elif vector == "scalar":
+            dimensions[stream] = 1
+        elif vector == "parameters":
+            dimensions[stream] = int(parameters)
         else:
-            dimensions[stream] = 1 if stream in scalars else int(parameters)
+            raise ValueError(
+                f"{type(plan).__name__}: stream {stream!r} releases a {vector!r}; the error proxy knows "
+                "'parameters', 'y' and 'scalar'"
+            )
     return dimensions
 
 
 def proxy_weights(
-    plan: Plan, dimensions: Mapping[str, int] | None, units: Mapping[str, float] | None = None
+    plan: ProxyPlan, dimensions: Mapping[str, int] | None, units: Mapping[str, float] | None = None
 ) -> dict[str, float]:
     """``W_s = d_s * exposure_s * (units_s * scale_s)^2``: the proxy is ``sum_s W_s z_s^2`` (see the module
     docs).
@@ -183,11 +139,11 @@ def proxy_weights(
             raise ValueError(f"unit of stream {stream!r}: must be finite and > 0, got {value!r}")
         unit[stream] = float(value)
     carried = exposures(plan)
-    return {s: given[s] * carried[s] * (unit[s] * _scale(plan, s)) ** 2 for s in streams}
+    return {s: given[s] * carried[s] * (unit[s] * plan.stream_scale(s)) ** 2 for s in streams}
 
 
 def proxy(
-    plan: Plan,
+    plan: ProxyPlan,
     noise: Mapping[str, float],
     dimensions: Mapping[str, int],
     units: Mapping[str, float] | None = None,
@@ -197,4 +153,4 @@ def proxy(
     return math.fsum(w * noise[s] ** 2 for s, w in weights.items())
 
 
-__all__ = ["exposures", "proxy", "proxy_weights", "stream_dimensions"]
+__all__ = ["HasYDim", "ProxyPlan", "exposures", "proxy", "proxy_weights", "stream_dimensions"]

@@ -5,7 +5,10 @@ relation). A plan is a mechanism factory: ``plan(noise)`` maps the noise multipl
 whole-run :class:`~dpvr.privacy.mechanism.Mechanism` (used by ``account`` and ``calibrate``), and
 ``plan.step(name, noise)`` gives ``(attribution, event)`` for one release of a stream, which a running
 algorithm hands to ``Accountant.record`` as it goes. ``plan.paper_noise(epsilon, delta)`` returns the paper's
-closed-form noise where the paper has one.
+closed-form noise where the paper has one. ``plan.exposures()``, ``plan.stream_vector(stream)`` and
+``plan.stream_scale(stream)`` describe the algorithm's estimator to the error proxy that ``shares="auto"``
+minimises (:mod:`dpvr.privacy.allocation`), so that everything known about an algorithm's releases is in its
+plan.
 
 Conventions (see :mod:`dpvr.privacy.relations`): a noise multiplier is the noise std divided by the L2 bound
 on one record's contribution to the released *sum*; for a mean over a batch of ``b`` per-sample terms clipped
@@ -51,6 +54,14 @@ def _alpha(epsilon: float, delta: float) -> int:
     return 1 + math.ceil(2 * math.log(1 / delta) / epsilon)
 
 
+def _accumulated(rounds: int, period: int) -> float:
+    """Difference draws an estimator carries per round when a reset comes every ``period`` of ``rounds``
+    rounds: a period of ``L`` rounds carries ``0 + 1 + ... + (L - 1)`` of them (see
+    :mod:`dpvr.privacy.allocation`)."""
+    lengths = [period] * (rounds // period) + ([rounds % period] if rounds % period else [])
+    return math.fsum(n * (n - 1) / 2 for n in lengths) / rounds
+
+
 def _paper_regime(name: str, epsilon: float, delta: float, n: int) -> None:
     """The regime of the minimax papers' practical constants: epsilon <= 1 and delta <= 1/n^2."""
     if epsilon > 1:
@@ -81,11 +92,18 @@ class PaperSigmas(dict):
 
 
 class Plan:
-    """Base of the per-algorithm plans (see the module documentation)."""
+    """Base of the per-algorithm plans (see the module documentation).
+
+    A plan is a frozen dataclass of the run's public sizes that implements :meth:`_streams`; it overrides, as
+    its algorithm needs, :meth:`_unit` (the paper's noise units), :meth:`_assumptions`,
+    :meth:`default_neighbouring`, :meth:`paper_noise` and, for ``shares="auto"``, :meth:`exposures`,
+    :meth:`stream_scale` and ``_vectors`` (read by :meth:`stream_vector`).
+    """
 
     neighbouring: str
 
     _all_streams: ClassVar[tuple[str, ...]] = ()
+    _vectors: ClassVar[Mapping[str, str]] = {}  # stream -> "y" | "scalar" where not "parameters"
 
     @classmethod
     def default_neighbouring(cls, sampling: str | None = None) -> str:
@@ -171,6 +189,26 @@ class Plan:
             f"{type(self).__name__} has no closed-form noise in its paper; use calibration='tight'"
         )
 
+    # ---- the error proxy of shares="auto" (dpvr.privacy.allocation) ---------------------------------------
+    def exposures(self) -> dict[str, float]:
+        """Per stream with releases: how many of its noise draws the algorithm's estimator carries per step,
+        averaged over the run (``exposure_s`` of :mod:`dpvr.privacy.allocation`'s error proxy). A plan that
+        does not override it has no error proxy, so ``shares="auto"`` refuses it."""
+        raise ValueError(f"shares='auto' has no error proxy for {type(self).__name__}")
+
+    def stream_vector(self, stream: str) -> str:
+        """The vector a release of ``stream`` is a noisy copy of, which gives its length to the error proxy:
+        ``"parameters"`` (the model's trainable parameters: the default), ``"y"`` (a minimax problem's
+        ``y``) or ``"scalar"`` (a DRO dual: one number)."""
+        if stream not in self.stream_names:
+            raise ValueError(f"stream: {stream!r} is not a stream of this plan ({list(self.stream_names)})")
+        return self._vectors.get(stream, "parameters")
+
+    def stream_scale(self, stream: str) -> float:
+        """The noise std on the released vector per unit clip radius at noise multiplier 1 (``scale_s`` of
+        the error proxy): :meth:`sigma` of 1, the paper's sigma being the std per unit radius."""
+        return self.sigma(1.0, stream)
+
 
 def _stream(
     noise: Mapping[str, float],
@@ -239,6 +277,9 @@ class DPSGDPlan(Plan):
 
     def _assumptions(self):
         return (_PER_SAMPLE, f"gradient: {self.batch_sampling.describe()}")
+
+    def exposures(self) -> dict[str, float]:
+        return {"gradient": 1.0}  # each step's gradient is fresh
 
 
 @dataclass(frozen=True)
@@ -314,6 +355,15 @@ class DIFF2Plan(Plan):
         # sigma times the clip radius is the noise std on a mean over n P records (local: over b records).
         return float(self.local_batch if stream == "local" else self.dataset_size * self.clients)
 
+    def exposures(self) -> dict[str, float]:
+        # a restart is carried until the next; differences accumulate; a local step's draws last its round
+        carried = {
+            "restart": 1.0,
+            "difference": _accumulated(self.steps, self.restart),
+            "local": (self.local_steps - 1) / 2,
+        }
+        return {s: carried[s] for s in self.streams}
+
     def paper_noise(
         self, epsilon: float, delta: float, *, u: float = 1.25, u1: float = 3.0, u2: float = 3.0
     ) -> dict[str, float]:
@@ -375,6 +425,8 @@ class DPSGDAPlan(Plan):
     Guarantee: composition of ``steps`` sampled Gaussian releases.
     """
 
+    _vectors: ClassVar = {"y": "y"}
+
     dataset_size: int
     batch_size: int
     steps: int
@@ -403,6 +455,9 @@ class DPSGDAPlan(Plan):
     def _unit(self, stream: str) -> float:
         # sigma times the clip norm is the noise std on the batch mean.
         return float(self.batch_size)
+
+    def exposures(self) -> dict[str, float]:
+        return {"x": 1.0, "y": 1.0}  # one-step releases
 
     def paper_noise(self, epsilon: float, delta: float) -> dict[str, float]:
         """The practical constants: ``sigma_x = sigma_y = 8 sqrt(T log(1/delta)) / (n epsilon)``.
@@ -438,6 +493,7 @@ class PrivateDiffPlan(Plan):
     """
 
     _all_streams: ClassVar = ("checkpoint", "difference", "y")
+    _vectors: ClassVar = {"y": "y"}
 
     dataset_size: int
     batch_size: int
@@ -487,6 +543,15 @@ class PrivateDiffPlan(Plan):
         if stream == "y" and self.y_release == "output":
             return output_perturbation_multiplier(1.0, 1.0, self.neighbouring)
         return float(self.batch_size)
+
+    def exposures(self) -> dict[str, float]:
+        # Lemma 12: T2 ascent steps carry their noise into y's error over T2; an output perturbation, once
+        carried = {
+            "checkpoint": 1.0,
+            "difference": _accumulated(self.steps, self.restart),
+            "y": 1.0 / self.y_steps if self.y_release == "ascent" else 1.0,
+        }
+        return {s: carried[s] for s in self.streams}
 
     def paper_noise(self, epsilon: float, delta: float) -> dict[str, float]:
         """Remark 5.1, with ``L = log(1/delta)``: ``sigma_x1 = 4 sqrt((R/T) L) / (n eps)``,
@@ -586,6 +651,15 @@ class _SpiderPlan(Plan):
             return FULL_BATCH
         return Sampling.make(self.sampling, batch_size=batch, dataset_size=self.dataset_size)
 
+    def exposures(self) -> dict[str, float]:
+        phase = dict(self._layout)
+        carried = {"refresh": 1.0, "difference": _accumulated(self.steps, self.restart), "every": 1.0}
+        return {s: carried[phase[s]] for s in self.streams}
+
+    def stream_scale(self, stream: str) -> float:
+        # the noise multipliers are per record: the released mean divides the noise std by the batch size
+        return 1.0 / self.batch_size(stream)
+
     def _streams(self, noise):
         refreshes = _ceil_div(self.steps, self.restart)
         counts = {"refresh": refreshes, "difference": self.steps - refreshes, "every": self.steps}
@@ -623,6 +697,7 @@ class DoubleSpiderPlan(_SpiderPlan):
         ("x-refresh", "refresh"),
         ("x-difference", "difference"),
     )
+    _vectors: ClassVar = {"eta-refresh": "scalar", "eta-difference": "scalar"}  # the dual eta
 
 
 @dataclass(frozen=True)
@@ -651,6 +726,7 @@ class RecursiveSpiderPlan(_SpiderPlan):
         ("s", "every"),
     )
     _fixed_batches: ClassVar = {"s": 1}
+    _vectors: ClassVar = {"u-refresh": "scalar", "u-difference": "scalar", "s": "scalar"}  # u, s: of lambda
 
 
 _PHASED = {  # setting -> (streams, budget share of each release, share of delta per release)
@@ -678,6 +754,8 @@ class PhasedPlan(Plan):
     default) it holds surely; otherwise pass the paper's ``failure_probability`` (added to delta).
     """
 
+    _vectors: ClassVar = {"y": "y"}
+
     setting: str
     failure_probability: float = 0.0
     neighbouring: str = REPLACE_ONE
@@ -698,6 +776,9 @@ class PhasedPlan(Plan):
 
     def _failure_probability(self) -> float:
         return self.failure_probability
+
+    def exposures(self) -> dict[str, float]:
+        return dict.fromkeys(self.streams, 1.0)  # one output perturbation per stream
 
     def _unit(self, stream: str) -> float:
         # sigma is the noise std over the replace-one sensitivity, twice dpvr's unit.

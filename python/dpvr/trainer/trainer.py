@@ -25,12 +25,26 @@ from ..problems import MinimaxProblem
 from .data import dataset_tensors
 from .losses import check_independent, check_separable, per_sample
 
-# How the front door lays out each registry algorithm's run (the registry says which class runs it):
-_SAMPLED = frozenset({"dp-sgd", "last-iterate", "dp-sgda", "private-diff"})  # a batch of batch_size per step
-_FULL_BATCH = frozenset({"dp-gd", "diff2"})  # an epoch is one step
-_PER_STREAM = frozenset({"double-spider", "recursive-spider"})  # batch sizes per stream: steps= only
-_MINIMAX = frozenset({"dp-sgda", "private-diff"})
-ALGORITHMS = tuple(sorted(_SAMPLED | _FULL_BATCH | _PER_STREAM))
+
+class _FrontDoor(Sequence[str]):
+    """The names of the registry's algorithms that ``make_private`` runs (those with a layout), sorted, read
+    from :mod:`dpvr.registry` on each access: an algorithm added with :func:`dpvr.registry.register` is
+    among them while it is registered."""
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(sorted(registry.front_door()))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+ALGORITHMS: Sequence[str] = _FrontDoor()
 
 Evaluation = Callable[["PrivateTrainer", dict[str, float]], Any]
 
@@ -53,12 +67,15 @@ def make_private(
 ) -> PrivateTrainer:
     """A :class:`PrivateTrainer` that trains ``module`` with ``algorithm`` at ``(epsilon, delta)``-DP.
 
+    - ``algorithm``: a name of :mod:`dpvr.registry` whose entry has a ``layout`` (every built-in one but
+      ``"phased"``); the entry says which class runs it and how the run is laid out.
     - ``criterion``: an ordinary batched loss (``nn.CrossEntropyLoss()``, or any ``(output, target) -> loss``
       that is a mean or a sum of per-record losses; checked); for the minimax algorithms (``"dp-sgda"``,
-      ``"private-diff"``) a :class:`~dpvr.problems.MinimaxProblem` instead.
+      ``"private-diff"``: ``problem="minimax"`` in the registry) a :class:`~dpvr.problems.MinimaxProblem`
+      instead.
     - ``data``: a map-style ``Dataset`` or a ``DataLoader`` (its dataset and ``collate_fn`` are used; dpvr's
-      sampler replaces its batch sampler, with a warning) of ``(input, target)`` records; for ``"diff2"``
-      a list of them gives one client each.
+      sampler replaces its batch sampler, with a warning) of ``(input, target)`` records; for a federated
+      algorithm (``"diff2"``) a list of them gives one client each.
     - ``optimizer``: any ``torch.optim.Optimizer`` over ``module``'s parameters; it steps on the released
       noisy gradient estimate (written into ``p.grad``). Momentum, Adam, weight decay and learning-rate
       schedules are post-processing of what was released: the guarantee is unchanged. Without one, the
@@ -78,15 +95,16 @@ def make_private(
     The noise is calibrated so that the whole planned run spends ``epsilon``; a release that would exceed it
     raises :class:`~dpvr.optim.BudgetExhaustedError` before it happens.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+    spec = registry.REGISTRY.get(algorithm) if isinstance(algorithm, str) else None
+    if spec is None or spec.layout is None:
+        raise ValueError(f"algorithm: must be one of {sorted(registry.front_door())}, got {algorithm!r}")
     if "noise" in settings:
         raise ValueError(
             "noise: make_private calibrates the noise to epsilon; to give noise multipliers yourself, build "
             "the algorithm from dpvr.optim (where epsilon is then only a budget guard)"
         )
-    spec = registry.get(algorithm)
-    cls, sampled = spec.algorithm_class(), algorithm in _SAMPLED
+    layout = spec.layout
+    cls, sampled = spec.algorithm_class(), layout == "sampled"
     settings = {**spec.algorithm_options, **settings}
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
@@ -94,15 +112,18 @@ def make_private(
     if not params:
         raise ValueError("module: has no trainable parameters")
     dtype, device = params[0].dtype, params[0].device
-    minimax = algorithm in _MINIMAX
+    minimax = spec.problem == "minimax"
     if minimax != isinstance(criterion, MinimaxProblem):
         raise TypeError(
             f"criterion: {algorithm!r} takes a {'MinimaxProblem' if minimax else 'loss callable'}, "
             f"got {type(criterion).__name__}"
         )
     shards = data if isinstance(data, (list, tuple)) else [data]
-    if len(shards) > 1 and algorithm != "diff2":
-        raise ValueError("data: a list of datasets (one per client) is for algorithm='diff2' only")
+    if len(shards) > 1 and not spec.federated:
+        federated = [name for name in registry.front_door() if registry.get(name).federated]
+        raise ValueError(
+            f"data: a list of datasets (one per client) is for the federated algorithms only ({federated})"
+        )
     tensors = [tuple(t.to(device) for t in dataset_tensors(d, dtype)) for d in shards]
     n = min(len(x) for x, _ in tensors)
     check_independent(module, tensors[0][0])
@@ -110,20 +131,21 @@ def make_private(
         check_separable(criterion, module, *tensors[0])
     loss = criterion if minimax else per_sample(criterion)
 
-    if (epochs is None) == (steps is None) and algorithm not in _PER_STREAM:
+    per_stream = layout == "per-stream"
+    if (epochs is None) == (steps is None) and not per_stream:
         raise ValueError("give the run's length as exactly one of epochs= or steps=")
     if sampled:
         if batch_size is None:
             raise ValueError(f"batch_size: {algorithm!r} samples a batch each step; give its (expected) size")
         settings["batch_size"] = batch_size
-    elif batch_size is not None and algorithm in _FULL_BATCH:
+    elif batch_size is not None and layout == "full-batch":
         raise ValueError(f"batch_size: {algorithm!r} uses the full batch every step")
     # One definition of an epoch, the sampler's: ceil(n / b) here once charged one random-allocation epoch
     # as two (the plan prices any step past round(n / b) as a new epoch).
     scheme = _sampling(cls, settings) if sampled else "full"
-    per_epoch = 1 if algorithm in _PER_STREAM else steps_per_epoch(scheme, n, batch_size)
+    per_epoch = 1 if per_stream else steps_per_epoch(scheme, n, batch_size)
     if steps is None:
-        if algorithm in _PER_STREAM:
+        if per_stream:
             raise ValueError(f"steps: {algorithm!r} takes steps= (its batches differ per stream)")
         steps = max(1, round(epochs * per_epoch))
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant)
@@ -135,7 +157,7 @@ def make_private(
         "runtime": runtime or RuntimeConfig(),
         **settings,
     }
-    if algorithm == "diff2":  # one client per dataset given
+    if spec.federated:  # one client per dataset given
         private: PrivateAlgorithm = cls(module, loss, [tuple(t) for t in tensors], **arguments)
     else:
         private = cls(module, loss, *tensors[0], **arguments)

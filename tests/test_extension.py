@@ -1,0 +1,342 @@
+"""A new algorithm through the documented extension points only: its plan (a :class:`dpvr.privacy.Plan`), its
+class (a :class:`dpvr.optim.PrivateAlgorithm`) and one registry entry (:func:`dpvr.registry.register`).
+
+Nothing else in dpvr knows about it, yet it runs through ``make_private`` (which reads its layout from the
+entry), ``dpvr account|calibrate`` (whose flags come from the entry), ``shares="auto"`` (which reads the
+plan's error proxy) and the sensitivity harness (lockstep runs on neighbouring datasets, accounting and
+resume checks), and the harness' coverage check names it until it has a harness entry.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import dpvr
+import sensitivity as harness
+from dpvr import cli, registry
+from dpvr.optim import (
+    ClippedSum,
+    DifferenceEstimator,
+    PrivacyConfig,
+    PrivateAlgorithm,
+    RuntimeConfig,
+    check_loss,
+)
+from dpvr.optim.gradients import ClippedGradients
+from dpvr.optim.sampling import BatchSampler
+from dpvr.privacy import REPLACE_ONE, Accountant, Plan, Sampling, Stream, calibrate
+from dpvr.privacy.allocation import stream_dimensions
+from dpvr.registry import AlgorithmSpec, Argument, Sigma
+from test_sensitivity import dpsgd_configs  # DP-SGD's generated configurations fit the toy's keywords
+
+NAME = "toy-momentum-sgd"
+DEFAULT_PRIVACY, DEFAULT_RUNTIME = PrivacyConfig(), RuntimeConfig()
+
+
+# ---- 1. the plan: what a run releases ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class MomentumPlan(Plan):
+    """``steps`` releases of a clipped gradient mean over ``batch_size`` of ``dataset_size`` records drawn
+    without replacement, plus ``N(0, (sigma C)^2 I)``: one stream ``"gradient"`` whose noise multiplier is
+    ``sigma * batch_size``. The momentum is post-processing, so it does not enter the plan."""
+
+    dataset_size: int
+    batch_size: int
+    steps: int
+    sampling: str = "wor"
+    neighbouring: str = REPLACE_ONE
+
+    _all_streams: ClassVar = ("gradient",)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps: must be >= 0, got {self.steps}")
+        self.batch_sampling.check(self.neighbouring)
+
+    @property
+    def batch_sampling(self) -> Sampling:
+        return Sampling.make(self.sampling, batch_size=self.batch_size, dataset_size=self.dataset_size)
+
+    def _streams(self, noise: Mapping[str, float]) -> list[Stream]:
+        if self.steps == 0:
+            return []
+        return [Stream("gradient", noise.get("gradient", 1.0), self.steps, self.batch_sampling)]
+
+    def _unit(self, stream: str) -> float:
+        return float(self.batch_size)  # sigma times the clip radius is the noise std on the batch mean
+
+    def exposures(self) -> dict[str, float]:
+        return {"gradient": 1.0}  # the error proxy of shares="auto": a fresh estimate every step
+
+
+# ---- 2. the class: what a run does ------------------------------------------------------------------------
+class MomentumSGD(PrivateAlgorithm):
+    """DP-SGD with heavy-ball momentum: each step releases the clipped gradient mean of a batch drawn without
+    replacement plus Gaussian noise (the estimator ``v``), then steps ``x <- x - lr m`` with
+    ``m <- momentum m + v`` (post-processing of the releases)."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Any,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        lr: float,
+        clip: float,
+        steps: int,
+        batch_size: int,
+        momentum: float = 0.5,
+        sampling: str = "wor",
+        noise: float | dict[str, float] | None = None,
+        privacy: PrivacyConfig = DEFAULT_PRIVACY,
+        runtime: RuntimeConfig = DEFAULT_RUNTIME,
+    ) -> None:
+        n = len(inputs)
+        plan = MomentumPlan(n, batch_size, steps, sampling, privacy.neighbouring or REPLACE_ONE)
+        self.sampler = BatchSampler.for_stream(plan, "gradient", n, runtime.sampler_seed)
+        check_loss(model, loss_fn, inputs, targets)
+        super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        self.inputs, self.targets = inputs, targets
+        self.lr, self.clip, self.momentum = float(lr), float(clip), float(momentum)
+        self.gradients = ClippedGradients(
+            model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
+        )
+        self._sum = [torch.zeros_like(f) for f in self.flat]
+        self.v = DifferenceEstimator(self.flat)
+        self.velocity = [torch.zeros_like(f) for f in self.flat]
+
+    def _data(self) -> list[torch.Tensor]:
+        return [self.inputs, self.targets]
+
+    def _step(self) -> dict[str, float]:
+        with self.releasing("gradient"):
+            batch = torch.as_tensor(self.sampler.draw(), dtype=torch.long)
+            for s in self._sum:
+                s.zero_()
+            dropped = self.gradients.sum(self.inputs[batch], self.targets[batch], self.clip, self._sum)
+            self.v.release(
+                "gradient",
+                ClippedSum(self._sum, self.clip, self.sampler.batch_size),
+                noise_multiplier=self.noise["gradient"],
+                reset=True,
+                generator=self.generator,
+            )
+        with torch.no_grad():
+            for m, v, x in zip(self.velocity, self.v.value, self.flat):
+                m.mul_(self.momentum).add_(v)
+                x.sub_(self.lr * m)
+        return {"batch": len(batch), "nonfinite": dropped}
+
+    def _buffers(self) -> dict[str, list[torch.Tensor]]:
+        return {"v": self.v.value, "velocity": self.velocity}
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def _load_extra_state(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+# ---- 3. the registry entry --------------------------------------------------------------------------------
+SPEC = AlgorithmSpec(
+    NAME,
+    "toy: DP-SGD with heavy-ball momentum on fixed-size batches",
+    MomentumPlan,
+    MomentumPlan,
+    (
+        Argument("dataset_size", int, "number of records n", required=True),
+        Argument("batch_size", int, "batch size b, drawn without replacement", required=True),
+        Argument("steps", int, "number of steps T", required=True),
+        Argument("sampling", str, "batch sampling: wor", default="wor", choices=("wor",)),
+    ),
+    f"{__name__}:MomentumSGD",
+    sigmas=(Sigma("gradient", "sigma", "noise std over C on the batch mean"),),
+    layout="sampled",
+)
+
+
+@pytest.fixture
+def toy():
+    with registry.registered(SPEC) as spec:
+        yield spec
+    assert NAME not in registry.REGISTRY
+
+
+# ---- the front door, the command line, the calibration -----------------------------------------------------
+def test_the_registry_checks_hold_for_the_toy(toy):
+    import test_registry
+
+    test_registry.test_each_entrys_layout_fits_its_class(NAME)
+    assert NAME in registry.front_door()
+    plan = toy.make_plan({"dataset_size": 100, "batch_size": 10, "steps": 20})
+    assert plan == MomentumPlan(100, 10, 20) and toy.default_neighbouring() == REPLACE_ONE
+    assert plan.sigma(plan.noise_multiplier(0.5)) == pytest.approx(0.5)
+
+
+def _squared(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (0.5 * (output.squeeze(-1) - target) ** 2).mean()
+
+
+def test_make_private_runs_the_toy(toy):
+    x, y = harness.REGRESSION.records(40, torch.Generator().manual_seed(0))
+    model = harness.REGRESSION.model(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = dpvr.make_private(
+        model,
+        _squared,
+        TensorDataset(x, y),
+        algorithm=NAME,
+        epsilon=1.0,
+        batch_size=8,
+        epochs=2,
+        lr=0.1,
+        clip=1.0,
+        momentum=0.9,
+    )
+    assert isinstance(trainer.algorithm, MomentumSGD)
+    assert trainer.steps_per_epoch == 5 and trainer.total_steps == 10  # the sampler's epoch: n / b
+    assert trainer.algorithm.plan == MomentumPlan(40, 8, 10)
+    trainer.run()
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    report = trainer.privacy_spent()
+    assert report.epsilon <= 1.0 * (1 + 1e-9) and report.epsilon == pytest.approx(1.0, rel=1e-3)
+    with pytest.raises(ValueError, match="batch_size: 'toy-momentum-sgd' samples a batch each step"):
+        dpvr.make_private(
+            model, _squared, TensorDataset(x, y), algorithm=NAME, epsilon=1.0, steps=2, lr=0.1, clip=1.0
+        )
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert cli.main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_dpvr_account_and_calibrate_read_the_toys_entry(toy, capsys):
+    run = ["--dataset-size", "1000", "--batch-size", "50", "--steps", "100"]
+    accounted = _json(capsys, ["account", NAME, *run, "--sigma", "0.04", "--delta", "1e-5", "--json"])
+    plan = MomentumPlan(1000, 50, 100)
+    z = plan.noise_multiplier(0.04)
+    accountant = Accountant(accounted["accountant"], REPLACE_ONE)
+    accountant.record_mechanism(plan({"gradient": z}))
+    assert accounted["algorithm"] == NAME
+    assert accounted["epsilon"] == pytest.approx(accountant.epsilon(1e-5), rel=1e-12)
+    assert (
+        accounted["streams"][0]["sigma"] == pytest.approx(0.04) and accounted["streams"][0]["releases"] == 100
+    )
+    calibrated = _json(capsys, ["calibrate", NAME, *run, "--epsilon", "1.5", "--delta", "1e-5", "--json"])
+    assert calibrated["spent_epsilon"] == pytest.approx(1.5, rel=1e-3)
+    assert calibrated["noise_multiplier"] == pytest.approx(
+        calibrate(plan, 1.5, 1e-5, accountant=calibrated["accountant"])["gradient"], rel=1e-12
+    )
+
+
+def test_without_its_entry_the_toy_is_unknown(capsys):
+    """Registered for a block only: afterwards neither the command line nor make_private knows it."""
+    with registry.registered(SPEC):
+        assert NAME in registry.REGISTRY
+    assert NAME not in registry.REGISTRY
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        cli.main(
+            ["account", NAME, "--dataset-size", "10", "--batch-size", "2", "--steps", "1", "--sigma", "1"]
+        )
+    assert NAME in capsys.readouterr().err
+    x, y = harness.REGRESSION.records(8, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="algorithm: must be one of"):
+        dpvr.make_private(
+            harness.REGRESSION.model(True),
+            _squared,
+            TensorDataset(x, y),
+            algorithm=NAME,
+            epsilon=1.0,
+            steps=1,
+        )
+
+
+def test_auto_shares_read_the_toys_plan(toy):
+    """The error proxy of ``shares="auto"`` needs nothing from dpvr beyond the plan's own methods."""
+    plan = MomentumPlan(1000, 50, 100)
+    assert stream_dimensions(plan, 7) == {"gradient": 7}
+    assert plan.stream_scale("gradient") == pytest.approx(1 / 50)
+    auto = calibrate(plan, 1.0, 1e-5, shares="auto", dimensions={"gradient": 7})
+    assert auto == pytest.approx(calibrate(plan, 1.0, 1e-5), rel=1e-9)
+
+
+# ---- the sensitivity harness ------------------------------------------------------------------------------
+ENTRY = harness.Algorithm(NAME, harness.registry_factory(NAME), harness.REGRESSION, tight=("gradient",))
+
+
+@pytest.fixture
+def covered(toy, monkeypatch):
+    """The toy registered, and given its harness entry (before which the coverage check names it)."""
+    assert harness.uncovered() == [NAME]
+    monkeypatch.setitem(harness.ALGORITHMS, NAME, ENTRY)
+    assert not harness.uncovered()
+    return ENTRY
+
+
+def _config(**options: Any) -> dict:
+    return {
+        "n": 6,
+        "seed": 0,
+        "index": 1,
+        "adversary": "opposed",
+        "relation": REPLACE_ONE,
+        "options": {"batch_size": 3, "steps": 3, "lr": 0.1, "clip": 0.5, "momentum": 0.5, **options},
+    }
+
+
+def test_the_toy_keeps_its_charged_sensitivity_tightly(covered):
+    outcome = harness.lockstep(covered, _config())
+    harness.assert_within_sensitivity(outcome)
+    harness.assert_accounting_matches(covered, outcome)
+    assert outcome.ratios()["gradient"] > 0.5  # the opposed record attains the charge
+
+
+def test_the_harness_catches_a_toy_that_leaks(covered, monkeypatch):
+    """A momentum buffer fed by the private sum, not the release, is private data reaching the state."""
+
+    honest = MomentumSGD._step
+
+    def leaky(self):
+        info = honest(self)
+        with torch.no_grad():
+            for m, s in zip(self.velocity, self._sum):
+                m.add_(1e-3 * s)
+        return info
+
+    monkeypatch.setattr(MomentumSGD, "_step", leaky)
+    with pytest.raises(AssertionError, match="without a release"):
+        harness.lockstep(covered, _config())
+
+
+def test_a_resumed_toy_run_releases_what_the_uninterrupted_run_releases(covered):
+    config = _config(steps=4)
+    original = harness.neighbours(covered.task, config).original
+    assert not harness.resume_differences(covered, config, original, 2)
+    assert not harness.older_resume_problems(covered, config, original, 2)
+
+
+@given(data=st.data())
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+def test_generated_toy_configurations_keep_sensitivity_and_accounting(data):
+    config = data.draw(dpsgd_configs(sampling="wor"), label="config")
+    config["options"]["momentum"] = data.draw(st.sampled_from([0.0, 0.9]), label="momentum")
+    with registry.registered(SPEC):
+        outcome = harness.lockstep(ENTRY, config)
+    harness.assert_within_sensitivity(outcome)
+    harness.assert_accounting_matches(ENTRY, outcome)
+    assert all(math.isfinite(c.gap) for c in outcome.comparisons)
