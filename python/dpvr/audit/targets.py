@@ -2,8 +2,8 @@
 
 Each entry builds a :class:`~dpvr.audit.games.Game` at a small configuration (tiny models, one to a few
 steps) so that thousands of runs take seconds to minutes on two cores. ``algorithm`` lets a caller (the
-tests) substitute a subclass — e.g. a deliberately broken variant — into the same game. Adding an algorithm
-is one :data:`TARGETS` entry.
+tests) substitute a subclass — e.g. a deliberately broken variant — into the same game. An algorithm's games
+are :data:`TARGETS` entries, named by its registry spec (``audit_games``).
 """
 
 from __future__ import annotations
