@@ -17,7 +17,7 @@ from .config import PrivacyConfig, RuntimeConfig
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
 from .gradients import ClippedGradients, check_loss
 from .ledger import Release
-from .sampling import BatchSampler
+from .sampling import BatchSampler, batch_rows
 
 
 class DPSGD(PrivateAlgorithm):
@@ -146,7 +146,7 @@ class DPSGD(PrivateAlgorithm):
 
     def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
-        batch = torch.as_tensor(self.sampler.draw(), dtype=torch.long)
+        batch = batch_rows(self.sampler.draw(), self.inputs.device)
         for s in self._sum:
             s.zero_()
         norms = None if self.clipping else torch.empty(len(batch), dtype=self._sum[0].dtype)

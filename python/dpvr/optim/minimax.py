@@ -30,7 +30,7 @@ from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
 from .gradients import ClippedGradients, check_loss
-from .sampling import BatchSampler
+from .sampling import BatchSampler, batch_rows
 
 Y_RELEASES = ("ascent", "output")  # how PrivateDiff makes y private
 _OUTPUT_CHUNK = 4096  # records per forward pass when the inner problem reads every record's output
@@ -282,7 +282,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         self.y.copy_(self.problem.project(self.y))
 
     def _draw(self) -> Tensor:
-        return torch.as_tensor(self.sampler.draw(), dtype=torch.long)
+        return batch_rows(self.sampler.draw(), self.inputs.device)
 
     def _data(self) -> list[Tensor]:
         return [self.inputs, self.targets]

@@ -11,11 +11,22 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..privacy.events import Plan
 from ..privacy.mechanism import Sampling
 
 SCHEMES = ("poisson", "wor", "full", "cyclic", "random-allocation")
+
+
+def batch_rows(indices: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A drawn batch's row indices as a tensor on ``device``, the data's. On a GPU the copy goes through
+    pinned memory and is asynchronous: a copy from ordinary host memory would first wait for all the work
+    queued on the device (a host synchronisation every step)."""
+    rows = torch.as_tensor(indices, dtype=torch.long)
+    if device.type != "cuda":
+        return rows
+    return rows.pin_memory().to(device, non_blocking=True)
 
 
 def steps_per_epoch(scheme: str, n: int, batch_size: float | None = None) -> int:

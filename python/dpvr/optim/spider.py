@@ -37,7 +37,7 @@ from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, release
 from .gradients import ClippedGradients, check_loss, finite_records
-from .sampling import BatchSampler
+from .sampling import BatchSampler, batch_rows
 
 
 class _Spider(PrivateAlgorithm):
@@ -78,7 +78,7 @@ class _Spider(PrivateAlgorithm):
         return [self.inputs, self.targets]
 
     def _draw(self, stream: str) -> Tensor:
-        return torch.as_tensor(self.samplers[stream].draw(), dtype=torch.long)
+        return batch_rows(self.samplers[stream].draw(), self.inputs.device)
 
     def _losses(self, point: Sequence[Tensor], batch: Tensor) -> Tensor:
         """Per-sample losses at the parameter values ``point`` (no gradient)."""
