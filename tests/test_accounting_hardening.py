@@ -166,7 +166,7 @@ CALIBRATED = [
 ]
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("accountant", [pytest.param("rdp", marks=pytest.mark.slow), "pld"])  # pld: default
 @pytest.mark.parametrize("plan", CALIBRATED, ids=lambda p: type(p).__name__)
 def test_calibrated_runs_recorded_step_by_step_spend_at_most_their_target(plan, accountant):
     """Calibrate to epsilon = 1, then record the planned releases one by one, streams interleaved round by

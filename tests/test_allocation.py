@@ -46,6 +46,7 @@ def test_two_full_batch_streams_match_the_closed_form():
     ],
     ids=["diff2", "privatediff"],
 )
+@pytest.mark.slow  # the split's optimality (utility, not privacy; the split's spending is checked below)
 def test_auto_shares_beat_every_split_of_a_grid(plan, dims, grid):
     best = proxy(plan, _noise(plan, "auto", dims), dims)
     others = [proxy(plan, _noise(plan, shares, dims), dims) for shares in grid]
@@ -53,7 +54,7 @@ def test_auto_shares_beat_every_split_of_a_grid(plan, dims, grid):
     assert best < proxy(plan, _noise(plan, None, dims), dims)  # strictly better than equal shares here
 
 
-@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("accountant", [pytest.param("rdp", marks=pytest.mark.slow), "pld"])  # pld: default
 def test_the_calibrated_run_spends_exactly_epsilon(accountant):
     noise = _noise(PD_PLAN, "auto", PD_DIMS, accountant)
     spent = account(PD_PLAN(noise), DELTA, accountant=accountant).epsilon
@@ -61,6 +62,7 @@ def test_the_calibrated_run_spends_exactly_epsilon(accountant):
     assert spent == pytest.approx(EPSILON, rel=1e-4)
 
 
+@pytest.mark.slow  # utility, not privacy
 def test_y_noise_is_cheap_so_y_gets_little_budget():
     noise = _noise(PD_PLAN, "auto", PD_DIMS)
     equal = _noise(PD_PLAN, None, PD_DIMS)
@@ -166,6 +168,7 @@ def test_units_scale_a_streams_weight_and_bad_units_are_refused():
         proxy_weights(plan, dims, {"y": 0.0})
 
 
+@pytest.mark.slow  # utility, not privacy
 def test_output_y_is_weighted_by_its_sensitivity_so_auto_moves_budget_to_x():
     """PrivateDiff's output-perturbed y has noise relative to Delta ~ 1/(n p (1-p)), far below C1: with its
     unit in the proxy, shares="auto" gives x a smaller noise multiplier than equal shares do."""

@@ -3,9 +3,12 @@
 import csv
 import json
 
+import pytest
+
 from dpvr.cli import main
 
 
+@pytest.mark.slow  # an experiment end to end (the private search: a minute and more)
 def test_auc_experiment_runs_and_records_the_spent_epsilon(tmp_path, capsys):
     argv = ["experiment", "auc", "--quick", "--seeds", "1", "--epochs", "1", "--epsilon", "2"]
     assert main([*argv, "--dataset", "digits-imbalanced", "--out", str(tmp_path)]) == 0
@@ -33,6 +36,7 @@ def test_auc_experiment_runs_and_records_the_spent_epsilon(tmp_path, capsys):
     assert {"test_auc", "diagnostics.private", "diagnostics.train_auc", "diagnostics.grad_norm"} <= {*header}
 
 
+@pytest.mark.slow  # an experiment end to end (the private search: a minute and more)
 def test_private_tuning_accounts_the_learning_rate_search(tmp_path, capsys):
     argv = ["experiment", "auc", "--quick", "--seeds", "1", "--epochs", "1", "--epsilon", "2",
             "--private-tuning"]
@@ -51,6 +55,7 @@ def test_private_tuning_accounts_the_learning_rate_search(tmp_path, capsys):
         assert (metrics["lr"], metrics["lr_y"]) in [(lr, 0.2) for lr in (0.02, 0.2, 2.0)]
 
 
+@pytest.mark.slow  # an experiment end to end (the private search: a minute and more)
 def test_y_release_output_runs_as_its_own_method(tmp_path, capsys):
     argv = ["experiment", "auc", "--quick", "--seeds", "1", "--epochs", "1", "--epsilon", "2",
             "--y-release", "ascent", "output"]

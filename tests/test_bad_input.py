@@ -100,6 +100,7 @@ CASES = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # robustness, not privacy: a child interpreter (seconds to import torch)
 def test_bad_input_raises_clear_errors_without_crashing():
     env = dict(os.environ)
     result = subprocess.run(
@@ -207,6 +208,7 @@ def test_an_algorithm_on_all_nan_data_warns_once():
     assert len(found) == 1
 
 
+@pytest.mark.slow  # starts client processes
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_client_pool_sends_lambdas_with_cloudpickle_or_names_the_fix(monkeypatch):
     pytest.importorskip("cloudpickle")  # in the test extra: the path users who have it take

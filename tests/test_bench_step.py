@@ -10,6 +10,7 @@ DPVR = ["dpvr-make-private-dp-sgd", "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost", "dp
         "dpvr-fresh-diff-ghost"]
 
 
+@pytest.mark.slow  # a benchmark run
 @pytest.mark.parametrize("case", step.CASES)
 def test_each_case_times_every_method(case: str) -> None:
     records = step.run(cases=[case], repeats=1, quick=True, memory=True, batch=4)
@@ -28,6 +29,7 @@ def test_each_case_times_every_method(case: str) -> None:
             assert 0 < r.metrics["native_share"] < 1, r
 
 
+@pytest.mark.slow  # a benchmark run
 def test_the_plot_draws_every_case(tmp_path) -> None:
     records = step.run(cases=["mlp", "cnn"], repeats=1, quick=True, memory=True, batch=4)
     records = [r for r in records if not (r.dataset.startswith("cnn") and r.method.startswith("opacus"))]
@@ -36,6 +38,7 @@ def test_the_plot_draws_every_case(tmp_path) -> None:
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow  # the step benchmark's machinery (performance, not privacy)
 def test_the_diff2_round_reuses_its_recording() -> None:
     """The benchmarked full-batch DIFF2 round records one point; the recompute variant records two."""
     case = step.make_case("mlp", batch=4)
@@ -49,6 +52,7 @@ def test_the_diff2_round_reuses_its_recording() -> None:
     assert forwards == {"dpvr-diff2-ghost": 2, "dpvr-diff2-ghost-recompute": 4}
 
 
+@pytest.mark.slow  # the step benchmark's machinery (performance, not privacy)
 def test_peak_memory_counts_a_steps_own_allocations() -> None:
     import torch
 
@@ -68,6 +72,7 @@ def test_peak_memory_counts_a_steps_own_allocations() -> None:
     assert [peak_bytes(replace) >> 20 for _ in range(3)] == [16, 16, 16]
 
 
+@pytest.mark.slow  # the step benchmark's machinery (performance, not privacy)
 def test_ghost_steps_hold_little_beyond_a_non_private_step() -> None:
     """Peak memory of the CNN's private steps (allocations, deterministic): a recording's tensors are freed
     once they are not needed — a layer's outputs after the forward, a materialised layer's inputs and

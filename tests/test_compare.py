@@ -56,6 +56,7 @@ def test_diagnostic_metrics_are_found_and_unknown_names_refused():
         compare.compare(_dicts(_records([1.0], [0.0])), "C", "B", "acc")
 
 
+@pytest.mark.slow  # draws a plot (matplotlib)
 def test_cli_prints_the_table_and_plots(tmp_path, capsys):
     path = tmp_path / "r.json"
     write_json(path, document("x", {}, _records([0.8, 0.9, 0.7], [0.6, 0.7, 0.75])))

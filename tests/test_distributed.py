@@ -101,7 +101,9 @@ def test_distributed_run_releases_the_simulated_iterates(shards, options):
     assert run.traffic.up == clients * 16 + (clients * rounds + local) * (16 + 8 * d)
 
 
-@pytest.mark.parametrize("how", ["exit", "raise", "hang"])
+@pytest.mark.parametrize(
+    "how", ["exit", "raise", pytest.param("hang", marks=pytest.mark.slow)]  # hang: waits out the timeout
+)
 def test_a_failing_client_ends_the_run_on_every_rank(shards, tmp_path, how):
     path = tmp_path / "run.ckpt"
     start = time.monotonic()
@@ -132,7 +134,7 @@ def test_a_failing_client_ends_the_run_on_every_rank(shards, tmp_path, how):
     assert read_checkpoint(path)["steps_done"] == failed - 1
 
 
-@pytest.mark.parametrize("options", [GD, BVR], ids=["gd", "bvr-l-sgd"])
+@pytest.mark.parametrize("options", [GD, pytest.param(BVR, marks=pytest.mark.slow)], ids=["gd", "bvr-l-sgd"])
 def test_resume_from_a_checkpoint_continues_the_same_run(shards, tmp_path, options):
     alg, iterates = simulate(shards, options)
     path = tmp_path / "run.ckpt"
@@ -170,6 +172,7 @@ def pooled_run(pool, shards, options, loss_fn=loss):
     return alg, iterates
 
 
+@pytest.mark.slow  # a pool through several runs (its runs' iterates are checked in the tests above)
 def test_a_pool_serves_run_after_run_and_outlives_an_aggregator_error(shards):
     other = [(x[:15], y[:15]) for x, y in reversed(shards)]  # each run ships its own shards
     with ClientPool(3) as pool:
@@ -223,6 +226,7 @@ def test_a_run_ships_only_its_shard_and_only_with_the_pools_key(shards):
             unpack_run(data, other)
 
 
+@pytest.mark.slow  # torchrun starts its own processes
 def test_torchrun_runs_the_demo_problem_to_its_budget(tmp_path):
     """``python -m dpvr.distributed`` under torchrun: an aggregator and two clients on the bundled demo."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]

@@ -18,6 +18,7 @@ from dpvr.optim import DIFF2, PrivacyConfig, RuntimeConfig
 RECORD_KEYS = {"method", "dataset", "epsilon", "delta", "seed", "spent_epsilon", "metrics"}
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_tiny_run_gives_every_method_its_records_and_files(tmp_path):
     args = parse(
         "diff2",
@@ -66,6 +67,7 @@ def test_tiny_run_gives_every_method_its_records_and_files(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_command_line_with_the_paper_calibration(tmp_path, capsys):
     out = tmp_path / "result.json"
     code = main(
@@ -99,6 +101,7 @@ def test_command_line_with_the_paper_calibration(tmp_path, capsys):
             assert 0 < r["spent_epsilon"] < 5.0
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_private_tuning_records_each_methods_whole_search(tmp_path, capsys):
     """``--private-tuning``: every private method's record comes from its own search over (C1, C2, eta) at
     the grid's smallest restart period, and spends the whole search's epsilon, at most the target."""
@@ -125,6 +128,7 @@ def test_private_tuning_records_each_methods_whole_search(tmp_path, capsys):
             assert selected["train_loss"]["restart"] == protocol.restarts[0]
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_private_tuning_on_client_processes_selects_what_the_simulation_does(tmp_path):
     """Each trial of a search enters the backend's context: two client processes release what the
     in-process clients do, so the searches draw, score and select alike."""
@@ -144,6 +148,7 @@ def test_unknown_experiment_and_missing_data_dir_are_errors(capsys):
     assert "--data-dir" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_distributed_backend_writes_the_records_of_the_local_simulation(tmp_path):
     """Three client processes and this process aggregating release what the in-process clients do."""
     docs = {}

@@ -1,11 +1,14 @@
 import json
 
+import pytest
+
 from dpvr.cli import main
 from dpvr.experiments import dro
 
 PRIVATE = {"DP-SGDA", "PrivateDiff", "DP-SGD-dual", "Double-SPIDER", "Recursive-SPIDER"}
 
 
+@pytest.mark.slow  # an experiment end to end (a minute)
 def test_dro_experiment_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(

@@ -1,8 +1,11 @@
 import json
 
+import pytest
+
 from dpvr.cli import main
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_last_iterate_experiment_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(

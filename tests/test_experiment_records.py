@@ -4,6 +4,8 @@
 import csv
 import json
 
+import pytest
+
 from dpvr.cli.experiment import parse
 from dpvr.experiments import phased
 from dpvr.experiments.common import DIAGNOSTIC_NOTE, diagnostic, metric, record_metrics
@@ -25,6 +27,7 @@ def test_record_metrics_keep_training_set_metrics_apart():
     assert DIAGNOSTIC_NOTE.startswith("(diagnostic, not private): measured on the private training data")
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_phased_records_mark_every_metric_a_diagnostic(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(phased, "_SIZES", {name: ((64,), ()) for name in phased._SIZES})
     doc = phased.run(parse("phased", ["--quick", "--seeds", "1", "--epsilon", "2", "--out", str(tmp_path)]))

@@ -128,6 +128,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow  # a child interpreter (seconds to import torch) and hundreds of examples
 @pytest.mark.parametrize("examples", [300])
 def test_fuzz_ops_in_a_child_interpreter(examples):
     result = subprocess.run(

@@ -26,7 +26,9 @@ from dpvr.grads import GhostClipper
 from dpvr.grads.ghost import Dense, Outer, Rows
 from dpvr.grads.ghost.norms import ghost_norms, write_error
 
-BACKENDS = ["native", "torch"]
+# native: the host's kernels (the CPU default); torch: the same rule in torch ops (CUDA's path), run here on
+# the CPU as well, in the slow run only (the default run checks each case once, on the native path).
+BACKENDS = ["native", pytest.param("torch", marks=pytest.mark.slow)]
 SEEDS = 60
 STEP = 1e-4  # the second point: every parameter moved by about 1e-4 of its largest entry
 VOCAB, WIDTH = 7, 6

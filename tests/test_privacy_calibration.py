@@ -36,7 +36,7 @@ ROUND_TRIP = [
 
 
 @pytest.mark.parametrize("plan", ROUND_TRIP, ids=lambda p: type(p).__name__)
-@pytest.mark.parametrize("epsilon", [0.5, 4.0])
+@pytest.mark.parametrize("epsilon", [0.5, pytest.param(4.0, marks=pytest.mark.slow)])
 def test_calibrate_then_account_gives_the_target(plan, epsilon):
     delta = 1e-6
     noise = calibrate(plan, epsilon, delta)

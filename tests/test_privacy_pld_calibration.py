@@ -23,7 +23,14 @@ from dpvr.privacy.subsampling import _dense, gaussian_pld
 
 @pytest.mark.parametrize(
     ("noise", "sensitivity", "rate"),
-    [(0.8, 2, 0.2), (1.7, 2, 0.01), (12, 2, 0.064), (3, 2, 1.0), (1.1, 1, 0.01), (5, 1, 0.99)],
+    [
+        pytest.param(0.8, 2, 0.2, marks=pytest.mark.slow),  # the slowest (seconds); the rest span the range
+        (1.7, 2, 0.01),
+        (12, 2, 0.064),
+        (3, 2, 1.0),
+        (1.1, 1, 0.01),
+        (5, 1, 0.99),
+    ],
 )
 def test_gaussian_pld_is_dp_accountings(noise, sensitivity, rate):
     """Same grid, same masses (to float round-off amplified by the connect-the-dots differences), same
@@ -53,7 +60,7 @@ PLANS = [
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: type(p).__name__)
-@pytest.mark.parametrize("epsilon", [1.0, 4.0])
+@pytest.mark.parametrize("epsilon", [1.0, pytest.param(4.0, marks=pytest.mark.slow)])
 def test_pld_calibration_spends_at_most_and_nearly_its_target(plan, epsilon):
     delta = 1e-5
     noise = calibrate(plan, epsilon, delta, accountant="pld")

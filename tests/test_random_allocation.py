@@ -131,7 +131,7 @@ def test_monte_carlo_profile_of_ten_steps():
             assert mean - 5 * error <= computed <= mean + 5 * error + 0.01 * mean + 1e-6
 
 
-@pytest.mark.parametrize(("z", "t"), [(1.0, 5), (0.8, 20), (2.0, 100)])
+@pytest.mark.parametrize(("z", "t"), [(1.0, 5), pytest.param(0.8, 20, marks=pytest.mark.slow), (2.0, 100)])
 def test_between_no_amplification_and_poisson(z, t):
     epoch = random_allocation_gaussian_pld(z, t).get_epsilon_for_delta(1e-6)
     gaussian = pld_lib.from_gaussian_mechanism(z, sensitivity=1.0).get_epsilon_for_delta(1e-6)

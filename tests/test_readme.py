@@ -17,6 +17,7 @@ def test_the_readme_has_python_examples() -> None:
     assert len(BLOCKS) >= 2
 
 
+@pytest.mark.slow  # each block runs in its own interpreter (seconds each)
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index: int, tmp_path: pathlib.Path) -> None:
     script = tmp_path / f"block_{index}.py"

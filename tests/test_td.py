@@ -74,6 +74,7 @@ def test_semi_gradient_loss_gives_the_td0_direction():
             torch.testing.assert_close(got[i], -delta * w)
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_td_experiment_runs(tmp_path, capsys):
     pytest.importorskip("gymnasium", reason="dpvr experiment td needs gymnasium (pip install 'dpvr[rl]')")
     argv = ["experiment", "td", "--quick", "--epochs", "1", "--transitions", "200", "--dataset", "cartpole"]

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dpvr.cli import main
 from dpvr.experiments import transfer
 
@@ -14,6 +16,7 @@ def test_public_and_private_parts_are_disjoint():
     assert not public_rows & {tuple(r) for r in split.private.train[0].tolist()}
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_transfer_experiment_runs(tmp_path, capsys):
     argv = ["experiment", "transfer", "--quick", "--seeds", "1", "--epochs", "1", "--pretrain-epochs", "2"]
     assert main([*argv, "--epsilon", "2", "--dataset", "transfer-imbalanced", "--out", str(tmp_path)]) == 0

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,6 +74,7 @@ def test_projection_and_wasserstein():
     assert problem.wasserstein(y, samples, samples) == 0.0
 
 
+@pytest.mark.slow  # an experiment end to end
 def test_wgan_experiment_runs(tmp_path, capsys):
     argv = ["experiment", "wgan", "--quick", "--steps", "4", "--epsilon", "8", "--out", str(tmp_path)]
     assert main(argv) == 0

@@ -44,7 +44,10 @@ def test_one_step_pld_dominates_the_closed_form_profile_and_is_tight(z, n, b):
         assert got <= exact + 1e-6
 
 
-@pytest.mark.parametrize(("n", "levels"), [(4, (-1.0, -0.5, 0.0, 0.5, 1.0)), (6, (-1.0, 0.0, 1.0))])
+@pytest.mark.parametrize(
+    ("n", "levels"),
+    [pytest.param(4, (-1.0, -0.5, 0.0, 0.5, 1.0), marks=pytest.mark.slow), (6, (-1.0, 0.0, 1.0))],
+)
 def test_enumeration_over_neighbouring_datasets_finds_no_pair_worse_than_the_pld(n, levels):
     """Brute force over 1-D datasets with records in [-1, 1] (C = 1): the worst pair attains the profile."""
     b, sigma = 2, 1.0
@@ -74,7 +77,9 @@ def test_two_adaptive_steps_are_dominated_by_the_composed_pld():
         "centred": ((0.0,) * 3, 1.0, -1.0),
         "mixed": ((-1.0, 0.0, 1.0), 1.0, -1.0),
     }
-    axis = np.arange(-b - 7 * sigma, b + 7 * sigma, 8e-3)
+    # A 1.6e-2 grid (8e-3 before, four times the points): the integrals move by at most 2.6e-6 between the
+    # two, an O(h^2) error well inside the 1e-5 allowed below, and the PLD's margin over them is 0.026.
+    axis = np.arange(-b - 7 * sigma, b + 7 * sigma, 1.6e-2)
     cell = float(axis[1] - axis[0])
     densities = {
         name: (
@@ -86,8 +91,9 @@ def test_two_adaptive_steps_are_dominated_by_the_composed_pld():
     composed = wor_gaussian_pld(sigma, n, b).self_compose(2)
     for first, second in itertools.product(densities, repeat=2):
         (p1, q1), (p2, q2) = densities[first], densities[second]
+        joint_p, joint_q = np.outer(p1, p2), np.outer(q1, q2)
         for eps in (0.0, 0.5, 1.5):
-            exact = _hockey_stick(np.outer(p1, p2), np.outer(q1, q2), eps, cell * cell)
+            exact = _hockey_stick(joint_p, joint_q, eps, cell * cell)
             assert float(composed.get_delta_for_epsilon(eps)) >= exact - 1e-5, (first, second, eps)
 
 
@@ -126,8 +132,12 @@ def _mechanism_losses(z: float, q: float, steps: int, samples: int, rng: np.rand
 
 
 def test_monte_carlo_privacy_losses_agree_with_the_pld_at_larger_n():
+    # 40,000 samples (100,000 before): the bands below are 4 standard errors of the estimate, computed from
+    # the samples, so they widen with fewer samples (by 1.6x) and stay valid. At these deltas (0.03 to 0.25)
+    # they are +-0.006 at most, still well inside the gap that composing the two directions separately leaves
+    # (0.18 against 0.25 at epsilon 0.5, 0.016 against 0.032 at 2): such an accountant still fails here.
     rng = np.random.default_rng(7)
-    n, b, z, steps, samples = 1000, 100, 2.0, 50, 100_000
+    n, b, z, steps, samples = 1000, 100, 2.0, 50, 40_000
     q = b / n
     pld = wor_gaussian_pld(z, n, b).self_compose(steps)
     symmetric = _symmetric_losses(z, q, steps, samples, rng)
@@ -143,7 +153,12 @@ def test_monte_carlo_privacy_losses_agree_with_the_pld_at_larger_n():
 
 
 @pytest.mark.parametrize(
-    ("n", "b", "z", "steps"), [(1257, 256, 20.0, 147), (60000, 256, 1.0, 1000), (500, 50, 2.0, 300)]
+    ("n", "b", "z", "steps"),
+    [
+        (1257, 256, 20.0, 147),
+        pytest.param(60000, 256, 1.0, 1000, marks=pytest.mark.slow),
+        (500, 50, 2.0, 300),
+    ],
 )
 def test_pld_wor_epsilon_lies_between_the_sound_lower_bounds_and_the_rdp_bound(n, b, z, steps):
     """RDP-WOR is a valid but loose bound, so the tight one must not exceed it. From below: two realisable
