@@ -127,6 +127,7 @@ def test_help_is_plain_text_with_every_flag_described_and_defaults_shown(capsys)
 
 
 ALGORITHMS = {
+    "dp-sgd": "--dataset-size 10000 --batch-size 100 --steps 300",
     "dp-gd": "--steps 100",
     "diff2": "--dataset-size 5000 --clients 4 --steps 40 --restart 10 --local-steps 3 --local-batch 20",
     "dp-sgda": "--dataset-size 10000 --batch-size 100 --steps 200",
@@ -139,6 +140,7 @@ ALGORITHMS = {
 }
 
 NOISE_FLAGS = {
+    "dp-sgd": {"gradient": "--noise-multiplier"},
     "dp-gd": {"gradient": "--noise-multiplier"},
     "diff2": {"restart": "--sigma1", "difference": "--sigma2", "local": "--sigma3"},
     "dp-sgda": {"x": "--sigma-x", "y": "--sigma-y"},
@@ -172,6 +174,12 @@ def test_every_algorithm_calibrates_and_accounts(capsys, name):
     noise = _noise_flags(name, calibrated["streams"])
     accounted = _json(capsys, f"account {name} {ALGORITHMS[name]} {noise} --delta 1e-6")
     assert accounted["epsilon"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_every_registry_algorithm_is_calibrated_and_accounted_here():
+    from dpvr import registry
+
+    assert sorted(ALGORITHMS) == sorted(registry.REGISTRY)
 
 
 def test_table_and_plot(capsys, tmp_path):
