@@ -175,16 +175,21 @@ def _make_case(name: str, batch: int | None) -> Case:
     raise ValueError(f"case: must be one of {CASES}, got {name!r}")
 
 
-def _non_private(model: nn.Module, case: Case) -> Callable[[], None]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+def _training_step(module: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor],
+                   optimizer: torch.optim.Optimizer, case: Case) -> Callable[[], None]:
+    """Forward, backward and optimizer step on the case's full batch (the step every baseline times)."""
     x, y = case.batches[0]
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        case.criterion(model(x), y).backward()
+        criterion(module(x), y).backward()
         optimizer.step()
 
     return step
+
+
+def _non_private(model: nn.Module, case: Case) -> Callable[[], None]:
+    return _training_step(model, case.criterion, torch.optim.SGD(model.parameters(), lr=LR), case)
 
 
 def _opacus_hooks(model: nn.Module, case: Case) -> Callable[[], None] | str:
@@ -195,19 +200,39 @@ def _opacus_hooks(model: nn.Module, case: Case) -> Callable[[], None] | str:
         from opacus.validators import ModuleValidator
     except ImportError:
         return "opacus is not installed"
-    x, y = case.batches[0]
     try:
         module = GradSampleModule(ModuleValidator.fix(model), loss_reduction="mean")
         optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA,
                                 max_grad_norm=CLIP, expected_batch_size=case.batch, loss_reduction="mean")
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            case.criterion(module(x), y).backward()
-            optimizer.step()
-
-        step()
+        step = _training_step(module, case.criterion, optimizer, case)
+        step()  # Opacus may refuse the model only when it runs
     except Exception as err:  # a refusal is a result to record
+        return f"opacus refused the model: {type(err).__name__}: {err}"
+    return step
+
+
+def _opacus_ghost(model: nn.Module, case: Case) -> Callable[[], None] | str:
+    """Opacus' ghost-clipping step, or why there is none."""
+    try:
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+        from opacus.validators import ModuleValidator
+    except ImportError:
+        return "opacus is not installed"
+    try:
+        module = GradSampleModuleFastGradientClipping(
+            ModuleValidator.fix(model), max_grad_norm=CLIP, use_ghost_clipping=True, loss_reduction="mean"
+        )
+        optimizer = DPOptimizerFastGradientClipping(
+            torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA, max_grad_norm=CLIP,
+            expected_batch_size=case.batch, loss_reduction="mean",
+        )
+        criterion = DPLossFastGradientClipping(module, optimizer, copy.deepcopy(case.criterion),
+                                               loss_reduction="mean")
+        step = _training_step(module, criterion, optimizer, case)
+        step()  # Opacus may refuse the model only when it runs
+    except Exception as err:  # any refusal is a result to record, not a failure of the benchmark
         return f"opacus refused the model: {type(err).__name__}: {err}"
     return step
 
@@ -227,38 +252,6 @@ def _make_private(model: nn.Module, case: Case) -> Callable[[], None]:
     def step() -> None:
         trainer.step()
 
-    return step
-
-
-def _opacus_ghost(model: nn.Module, case: Case) -> Callable[[], None] | str:
-    """Opacus' ghost-clipping step, or why there is none."""
-    try:
-        from opacus.grad_sample import GradSampleModuleFastGradientClipping
-        from opacus.optimizers import DPOptimizerFastGradientClipping
-        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-        from opacus.validators import ModuleValidator
-    except ImportError:
-        return "opacus is not installed"
-    x, y = case.batches[0]
-    try:
-        module = GradSampleModuleFastGradientClipping(
-            ModuleValidator.fix(model), max_grad_norm=CLIP, use_ghost_clipping=True, loss_reduction="mean"
-        )
-        optimizer = DPOptimizerFastGradientClipping(
-            torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA, max_grad_norm=CLIP,
-            expected_batch_size=case.batch, loss_reduction="mean",
-        )
-        criterion = DPLossFastGradientClipping(module, optimizer, copy.deepcopy(case.criterion),
-                                               loss_reduction="mean")
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            criterion(module(x), y).backward()
-            optimizer.step()
-
-        step()  # Opacus may refuse the model only when it runs
-    except Exception as err:  # any refusal is a result to record, not a failure of the benchmark
-        return f"opacus refused the model: {type(err).__name__}: {err}"
     return step
 
 

@@ -65,20 +65,33 @@ class RdpComposition:
         return []
 
 
-class RdpBackend:
-    """dp_accounting's RDP accountant (see the module documentation)."""
+class _DpAccountingBackend:
+    """What a backend over a dp_accounting accountant shares: an event is refused by the backend's own rules
+    (:meth:`_refuses`, on every nested event), else by what its accountant supports."""
 
-    name = "rdp"
-    tightness = 0
+    label = ""  # the accountant's name in messages
 
     def unsupported_reason(self, event: dpa.DpEvent, neighbouring: str) -> str | None:
         reason = first_reason(event, neighbouring, self._refuses)
         if reason is not None:
             return reason
-        probe = self.make(neighbouring, orders=(2.0,))
-        if not probe.supports(self.rewrite(event, neighbouring)):
-            return f"dp_accounting's RDP accountant does not support {type(event).__name__}"
+        event = self._stand_in(event)
+        if not self.make(neighbouring, orders=(2.0,)).supports(self.rewrite(event, neighbouring)):
+            return f"dp_accounting's {self.label} accountant does not support {type(event).__name__}"
         return None
+
+    @staticmethod
+    def _stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
+        """What dp_accounting is asked to support in place of ``event``."""
+        return event
+
+
+class RdpBackend(_DpAccountingBackend):
+    """dp_accounting's RDP accountant (see the module documentation)."""
+
+    name = "rdp"
+    label = "RDP"
+    tightness = 0
 
     @staticmethod
     def _refuses(event: dpa.DpEvent, neighbouring: str) -> str | None:
@@ -138,22 +151,17 @@ class RdpBackend:
         return design(epsilon, exact=True)
 
 
-class PldBackend:
+class PldBackend(_DpAccountingBackend):
     """dp_accounting's privacy-loss-distribution accountant, with dpvr's PLDs (see the module
     documentation)."""
 
     name = "pld"
+    label = "PLD"
     tightness = 1
 
-    def unsupported_reason(self, event: dpa.DpEvent, neighbouring: str) -> str | None:
-        reason = first_reason(event, neighbouring, self._refuses)
-        if reason is not None:
-            return reason
-        probe = self.make(neighbouring, orders=(2.0,))
-        event = pld_stand_in(event)  # what dpvr prices itself, replaced by what dp_accounting must take
-        if not probe.supports(self.rewrite(event, neighbouring)):
-            return f"dp_accounting's PLD accountant does not support {type(event).__name__}"
-        return None
+    @staticmethod
+    def _stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
+        return pld_stand_in(event)  # what dpvr prices itself, replaced by what dp_accounting must take
 
     @staticmethod
     def _refuses(event: dpa.DpEvent, neighbouring: str) -> str | None:

@@ -164,12 +164,6 @@ class _AccountantNames(Sequence):
     def __len__(self) -> int:
         return len(_BACKENDS)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(_BACKENDS))
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in _BACKENDS
-
     def __eq__(self, other: object) -> bool:
         return tuple(self) == (tuple(other) if isinstance(other, _AccountantNames) else other)
 
