@@ -276,7 +276,7 @@ def test_bad_front_door_input_is_named(digits) -> None:
         def forward(self, inputs: torch.Tensor) -> torch.Tensor:
             return self.net(inputs - inputs.mean(0))
 
-    with pytest.raises(ValueError, match="other records of the batch"):
+    with pytest.raises(ValueError, match="other records of its batch"):
         dpvr.make_private(Centred(), nn.CrossEntropyLoss(), dataset, **common)
     with pytest.raises(ValueError, match="scalar"):
         dpvr.make_private(model, nn.CrossEntropyLoss(reduction="none"), dataset, **common)

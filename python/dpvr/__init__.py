@@ -31,7 +31,9 @@ _LAZY = {
     ),
     **dict.fromkeys(("Accountant", "PrivacyReport", "account", "calibrate"), "dpvr.privacy"),
     "audit": "dpvr.audit",
-    **dict.fromkeys(("PrivateTrainer", "make_private"), "dpvr.trainer"),
+    **dict.fromkeys(
+        ("PrivateTrainer", "fix", "make_private", "pad_collate", "recordwise", "validate"), "dpvr.trainer"
+    ),
 }
 
 

@@ -1,7 +1,21 @@
 """The PyTorch front door: ``make_private(module, criterion, data, algorithm=..., epsilon=...)``."""
 
+from .collate import pad_collate, recordwise
 from .data import dataset_tensors
 from .losses import check_separable, per_sample
 from .trainer import ALGORITHMS, PrivateTrainer, make_private
+from .validation import Finding, fix, validate
 
-__all__ = ["ALGORITHMS", "PrivateTrainer", "check_separable", "dataset_tensors", "make_private", "per_sample"]
+__all__ = [
+    "ALGORITHMS",
+    "Finding",
+    "PrivateTrainer",
+    "check_separable",
+    "dataset_tensors",
+    "fix",
+    "make_private",
+    "pad_collate",
+    "per_sample",
+    "recordwise",
+    "validate",
+]

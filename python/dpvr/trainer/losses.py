@@ -2,12 +2,15 @@
 
 dpvr clips each record's gradient, so it evaluates the loss one record at a time (``vmap``-ed over the batch).
 A batched criterion such as ``nn.CrossEntropyLoss()`` gives that loss on a batch of one record: with one
-record the mean, the sum and the unreduced loss agree. What cannot be recovered is a criterion that couples
-records (batch statistics, a pairwise loss): such a criterion is refused after a check on a small batch.
+record the mean, the sum and the unreduced loss agree. A class-weighted mean is rewritten with a public
+normaliser; what cannot be recovered is a criterion that couples records (batch statistics, a pairwise
+loss): such a criterion is refused after a check on a small batch.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -17,14 +20,37 @@ Criterion = Callable[[Tensor, Tensor], Tensor]
 
 
 def per_sample(criterion: Criterion) -> Criterion:
-    """``loss(output, target)`` of one record (no batch dimension), from a batched ``criterion``."""
+    """``loss(output, target)`` of one record (no batch dimension), from a batched ``criterion``.
+
+    A class-weighted mean (``CrossEntropyLoss``/``NLLLoss`` with ``weight`` and the default mean reduction)
+    divides by the batch's total weight, which depends on every record's label: it is not a mean of
+    per-record losses, and on one record its weight cancels. Such a criterion is rewritten with a public
+    normaliser: each record's loss is its weighted loss (``reduction="sum"`` on one record), and the batch's
+    is their mean over the batch size (a warning says so)."""
     if not callable(criterion):
         raise TypeError(f"criterion: expected a loss callable (output, target) -> loss, got {criterion!r}")
+    criterion = _public_normaliser(criterion)
 
     def loss(output: Tensor, target: Tensor) -> Tensor:
         return criterion(output.unsqueeze(0), target.unsqueeze(0)).reshape(())
 
     return loss
+
+
+def _public_normaliser(criterion: Criterion, *, warn: bool = True) -> Criterion:
+    if not (isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)) and criterion.weight is not None
+            and criterion.reduction == "mean"):
+        return criterion
+    if warn:
+        warnings.warn(
+            f"make_private: {type(criterion).__name__}(weight=...) with reduction='mean' divides by the "
+            "batch's total class weight, which depends on the records' labels; dpvr uses each record's "
+            "weighted loss averaged over the batch size instead (on each batch, the same gradient direction)",
+            stacklevel=3,
+        )
+    rewritten = copy.copy(criterion)
+    rewritten.reduction = "sum"
+    return rewritten
 
 
 def check_separable(criterion: Criterion, model: nn.Module, inputs: Tensor, targets: Tensor) -> None:
@@ -33,6 +59,7 @@ def check_separable(criterion: Criterion, model: nn.Module, inputs: Tensor, targ
     Checked on the first (up to) 8 records at the model's initial parameters: the batched value must equal
     the mean or the sum of the one-record values (to float rounding). Like every construction-time check,
     it reads private records and its error is a diagnostic for the data holder, not a release."""
+    criterion = _public_normaliser(criterion, warn=False)
     loss = per_sample(criterion)
     x, y = inputs[:8], targets[:8]
     with torch.no_grad():
@@ -53,33 +80,4 @@ def check_separable(criterion: Criterion, model: nn.Module, inputs: Tensor, targ
         raise ValueError(
             "criterion: its value on a batch is neither the mean nor the sum of its values on single "
             "records, so it couples records (batch statistics?) and no per-record gradient bound holds for it"
-        )
-
-
-def check_independent(model: nn.Module, inputs: Tensor) -> None:
-    """Refuses a model whose output for one record depends on the other records of its batch.
-
-    Per-sample clipping bounds one record's influence only if the forward pass treats records
-    independently (no batch statistics such as ``x - x.mean(0)`` or batch normalisation in training mode).
-    Checked on up to 8 records in eval mode (dropout off): the batched outputs must equal the outputs of one
-    record at a time (a diagnostic for the data holder, not a release)."""
-    x = inputs[:8]
-    if len(x) < 2:
-        return
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            batched = model(x)
-            alone = torch.cat([model(x[i : i + 1]) for i in range(len(x))])
-    finally:
-        model.train(training)
-    if not isinstance(batched, Tensor) or batched.shape != alone.shape:
-        return  # a structured output: left to the gradient layer's own checks
-    scale = 1e-4 * (1 + float(alone.abs().max()))
-    if float((batched - alone).abs().max()) > scale:
-        raise ValueError(
-            "module: its output for a record changes with the other records of the batch (batch "
-            "statistics, e.g. x - x.mean(0)), so one record's gradient is not bounded by clipping; compute "
-            "such statistics per record or from public data"
         )

@@ -9,6 +9,7 @@ trainer's guarantee is the algorithm's, stated in its class documentation.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -22,8 +23,10 @@ from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from ..optim.sampling import steps_per_epoch
 from ..privacy import PrivacyReport
 from ..problems import MinimaxProblem
+from .checks import PROBE, check_model
+from .collate import check_collate
 from .data import dataset_tensors
-from .losses import check_independent, check_separable, per_sample
+from .losses import check_separable, per_sample
 
 
 class _FrontDoor(Sequence[str]):
@@ -124,12 +127,19 @@ def make_private(
         raise ValueError(
             f"data: a list of datasets (one per client) is for the federated algorithms only ({federated})"
         )
+    for shard in shards:
+        if isinstance(shard, DataLoader):
+            check_collate(shard.collate_fn, shard.dataset)
     tensors = [tuple(t.to(device) for t in dataset_tensors(d, dtype)) for d in shards]
     n = min(len(x) for x, _ in tensors)
-    check_independent(module, tensors[0][0])
-    if not minimax:
-        check_separable(criterion, module, *tensors[0])
+    runtime = runtime or RuntimeConfig()
+    probe = [t[:PROBE] for t in tensors[0]]
     loss = criterion if minimax else per_sample(criterion)
+    # On a copy of the model, before anything runs on the user's own (its forward could write into it).
+    grad_mode = check_model(module, *probe, None if minimax else loss, grad_mode=runtime.grad_mode)
+    runtime = dataclasses.replace(runtime, grad_mode=grad_mode)
+    if not minimax:
+        check_separable(criterion, module, *probe)
 
     per_stream = layout == "per-stream"
     if (epochs is None) == (steps is None) and not per_stream:
@@ -154,7 +164,7 @@ def make_private(
     arguments: dict[str, Any] = {
         "steps": steps,
         "privacy": privacy,
-        "runtime": runtime or RuntimeConfig(),
+        "runtime": runtime,
         **settings,
     }
     if spec.federated:  # one client per dataset given

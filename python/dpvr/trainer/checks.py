@@ -1,0 +1,221 @@
+"""Record independence, checked before a private run starts.
+
+Per-sample clipping bounds one record's influence on a release by ``C`` only if (1) the forward pass treats
+records independently, in the mode the model trains in, (2) it writes nothing derived from the records into
+the model outside the parameters the noise covers, and (3) the per-sample gradients dpvr forms are the
+records' gradients: every use of every trainable parameter counted, the batch dimension read correctly in
+every layer. :func:`check_model` refuses a model that breaks one of them, naming the module and the fix:
+
+1. modules refused whatever the data (:func:`dpvr.trainer.validation.validate`), all listed at once;
+2. buffer or parameter writes in the forward pass, in training and in evaluation mode, seen on a copy of
+   the model, so the user's model is never touched;
+3. independence in both modes: in evaluation mode, each record's output in a batch must equal its output
+   alone; in training mode, each record's output must not change when *other* records of the batch are
+   replaced, with the random number generators reset between the two passes so that dropout draws the same
+   masks (the same shapes draw the same numbers);
+4. the gradient oracle, on a copy in evaluation mode at two batch sizes: the per-sample gradient norms and
+   sums of the gradient engine the run will use must match ordinary autograd on one record at a time. This
+   catches what a ghost rule misses (a parameter used outside its module, as in a tied output head, whose
+   gradient term a hook-based rule never sees) and a sequence-first layer read as batch-first (a batch size
+   equal to the sequence length passes the engine's shape check, so two batch sizes are probed). Where the
+   ghost path fails it and materialised per-sample gradients (which differentiate each record alone, so
+   any parameter use and any layout) pass, ``grad_mode="auto"`` falls back to them with a warning.
+
+Like every construction-time check these read a few private records (the probe); their errors are
+diagnostics for the data holder, not releases.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..grads import trainable_parameters
+from ..optim.gradients import ClippedGradients
+from .validation import refuse_invalid
+
+PROBE = 16  # records read by the checks
+_SEED = 20261126  # the generators' state for the paired training-mode passes (any fixed value)
+_UNCLIPPED = 1e30  # a clip radius no gradient of the probe reaches
+
+
+def check_model(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor | None = None,
+    loss: Callable[[Tensor, Tensor], Tensor] | None = None,
+    *,
+    grad_mode: str = "auto",
+) -> str:
+    """Runs the checks of the module documentation on the probe records ``inputs`` (and ``targets``);
+    returns the gradient mode the run may use (``grad_mode``, or ``"materialised"`` where ``"auto"`` had to
+    fall back). Without ``loss`` the gradient oracle is skipped (the minimax problems form their own
+    per-sample losses)."""
+    refuse_invalid(model)
+    probe = copy.deepcopy(model)
+    for training in (True, False):
+        probe.train(training)
+        _check_no_writes(probe, inputs[:8], training)
+    _check_independent(probe, inputs)
+    if loss is None or targets is None:
+        return grad_mode
+    probe.eval()
+    return _check_gradients(probe, loss, inputs, targets, grad_mode)
+
+
+# ---- 2. writes --------------------------------------------------------------------------------------------
+
+
+def _check_no_writes(model: nn.Module, x: Tensor, training: bool) -> None:
+    def state() -> dict[str, tuple[int, int]]:
+        tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+        return {k: (id(t), t._version) for k, t in tensors.items() if t is not None}
+
+    before = state()
+    with torch.no_grad():
+        model(x)
+    after = state()
+    written = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    if written:
+        shown = ", ".join(f"{k} ({_owner(model, k)})" for k in written)
+        raise ValueError(
+            f"module: its forward pass in {'training' if training else 'evaluation'} mode writes {shown}: "
+            "what it writes is computed from private records and would be released with the model without "
+            "noise; compute such state from public data, or stop the module from updating it "
+            "(e.g. track_running_stats=False)"
+        )
+
+
+def _owner(model: nn.Module, name: str) -> str:
+    path = name.rpartition(".")[0]
+    return f"in {type(model.get_submodule(path)).__name__} {path!r}" if path else "of the model"
+
+
+# ---- 3. independence --------------------------------------------------------------------------------------
+
+
+def _check_independent(model: nn.Module, inputs: Tensor) -> None:
+    if len(inputs) < 2:
+        return
+    model.eval()
+    x = inputs[:8]
+    with torch.no_grad():
+        batched = _leaves(model(x), len(x))
+        alone = [_leaves(model(x[i : i + 1]), 1) for i in range(len(x))]
+    for k, leaf in enumerate(batched):
+        joined = torch.cat([a[k] for a in alone]) if all(len(a) > k for a in alone) else None
+        if joined is not None and joined.shape == leaf.shape and not _close(leaf, joined):
+            raise ValueError(_MIXES.format(mode="evaluation", how="its output in a batch differs from its "
+                                           "output alone (batch statistics, e.g. x - x.mean(0)?)"))
+    # Training mode: replace the second half of the batch by other records, same generator state.
+    half = max(1, len(x) // 2)
+    others = inputs[len(x) : len(x) + len(x) - half]
+    if len(others) < len(x) - half:
+        others = torch.flip(x[half:], dims=[0])
+    swapped = torch.cat([x[:half], others])
+    model.train()
+    with torch.no_grad():
+        first = _leaves(_seeded(model, x), len(x))
+        second = _leaves(_seeded(model, swapped), len(x))
+    for a, b in zip(first, second):
+        if a.shape == b.shape and not _close(a[:half], b[:half]):
+            raise ValueError(_MIXES.format(
+                mode="training",
+                how="its output changes when other records of its batch are replaced (batch statistics?)",
+            ))
+
+
+_MIXES = (
+    "module: in {mode} mode, a record's output depends on the other records of its batch ({how}), so one "
+    "record moves the others' gradients and clipping bounds nothing; compute such statistics per record or "
+    "from public data (dpvr.validate(model) lists the usual suspects)"
+)
+
+
+def _seeded(model: nn.Module, x: Tensor) -> object:
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(_SEED)
+        return model(x)
+
+
+def _leaves(output: object, batch: int) -> list[Tensor]:
+    """The output's tensors with a leading batch dimension (structured outputs: every such leaf)."""
+    return [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.dim() > 0 and len(t) == batch
+            and t.is_floating_point()]
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    scale = 1e-4 * (1 + float(b.abs().max())) if b.numel() else 0.0
+    return bool(((a - b).abs() <= scale).all()) if a.numel() else True
+
+
+# ---- 4. the gradient oracle -------------------------------------------------------------------------------
+
+
+def _check_gradients(model: nn.Module, loss: Callable, inputs: Tensor, targets: Tensor, mode: str) -> str:
+    sizes = [k for k in (5, 3) if k <= len(inputs)] or [len(inputs)]
+    truth = _alone(model, loss, inputs[: sizes[0]], targets[: sizes[0]])
+    failure = _compare(model, loss, inputs, targets, sizes, truth, mode)
+    if failure is None:
+        return mode
+    if mode == "auto" and _compare(model, loss, inputs, targets, sizes, truth, "materialised") is None:
+        warnings.warn(
+            f"make_private: ghost clipping does not reproduce this model's per-sample gradients ({failure}); "
+            "this run uses materialised per-sample gradients instead, which are exact and slower",
+            stacklevel=3,
+        )
+        return "materialised"
+    raise ValueError(
+        f"module: the per-sample gradients dpvr would clip are not the records' gradients ({failure}), so "
+        "the clipping bound would not hold; "
+        + ("use grad_mode='materialised' (RuntimeConfig)" if mode == "ghost" else
+           "report the model: no gradient path of dpvr handles it")
+    )
+
+
+def _alone(model: nn.Module, loss: Callable, x: Tensor, y: Tensor) -> list[list[Tensor]]:
+    """Each record's gradient, by ordinary autograd on a batch of one."""
+    names, params = zip(*trainable_parameters(model))
+    grads = []
+    for i in range(len(x)):
+        output = tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, model(x[i : i + 1]))
+        value = loss(output, y[i])
+        grads.append([g if g is not None else torch.zeros_like(p) for g, p in
+                      zip(torch.autograd.grad(value, params, allow_unused=True), params)])
+    return grads
+
+
+def _compare(model: nn.Module, loss: Callable, inputs: Tensor, targets: Tensor, sizes: list[int],
+             truth: list[list[Tensor]], mode: str) -> str | None:
+    """What differs between the engine's per-sample gradients and ``truth`` (None: nothing)."""
+    names = [name for name, _ in trainable_parameters(model)]
+    engine = ClippedGradients(model, loss, mode=mode)
+    for size in sizes:
+        x, y = inputs[:size], targets[:size]
+        params = [p for _, p in trainable_parameters(model)]
+        sums = [torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for p in params]
+        norms = torch.zeros(size, dtype=sums[0].dtype, device=sums[0].device)
+        try:
+            engine.sum(x, y, _UNCLIPPED, sums, norms=norms)
+        except ValueError as err:  # a layer the engine cannot read per sample (e.g. sequence-first)
+            return str(err)
+        expected = [math.sqrt(sum(float(g.double().square().sum()) for g in one)) for one in truth[:size]]
+        scale = 1e-3 * max(expected) + 1e-6
+        for k, name in enumerate(names):
+            want = sum(record[k].double() for record in truth[:size]).reshape(-1)
+            if float((sums[k].double() - want).abs().max()) > scale:
+                return (f"the summed gradient of {name!r} differs from autograd's: it is used outside the "
+                        "module that owns it (a tied weight?), where no rule sees it")
+        for i, (got, want) in enumerate(zip(norms.tolist(), expected)):
+            if abs(got - want) > scale:
+                return (f"at batch size {size}, record {i}'s gradient norm is {got:.6g}, alone it is "
+                        f"{want:.6g}: a layer reads the batch dimension wrongly")
+    return None
