@@ -98,7 +98,7 @@ def test_fused_sgd_step_and_optimizer_step_agree_and_both_measure_the_move() -> 
 
 def test_an_optimizer_over_other_parameters_is_refused() -> None:
     params = [torch.zeros(2, requires_grad=True)]
-    with pytest.raises(ValueError, match="exactly the model's trainable parameters"):
+    with pytest.raises(ValueError, match="holds 0 of the model's 1 trainable parameters"):
         Iterate(params, torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1))
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_map
 
 from ..problems import LossFn
 
@@ -117,10 +118,11 @@ def _compute(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
 
     def sample_loss(point: list[Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         output = functional_call(model, dict(zip(names, point)), (x.unsqueeze(0),))
-        loss = loss_fn(output.squeeze(0), y)
+        loss = loss_fn(tree_map(lambda t: t.squeeze(0) if isinstance(t, Tensor) else t, output), y)
         return loss, loss
 
-    grads_and_loss = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0))
+    # Each record draws its own dropout masks, as in a batched forward pass.
+    grads_and_loss = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
     per_sample_bytes = len(points) * sum(p.numel() * p.element_size() for _, p in named)
     size = _chunk_size(batch, per_sample_bytes, chunk_size, max_memory_bytes)
     # Outside no_grad, parameters that require grad would make the results part of an outer autograd

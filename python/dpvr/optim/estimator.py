@@ -54,10 +54,18 @@ class Iterate:
     ) -> None:
         self.params = list(params)
         self.optimizer = optimizer
+        self.frozen: list[Tensor] = []
         if optimizer is not None:
-            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if given != {id(p) for p in self.params}:
-                raise ValueError("optimizer: must hold exactly the model's trainable parameters")
+            given = [p for group in optimizer.param_groups for p in group["params"]]
+            trainable = {id(p) for p in self.params}
+            missing = len(trainable - {id(p) for p in given})
+            if missing:
+                raise ValueError(f"optimizer: holds {len(trainable) - missing} of the model's "
+                                 f"{len(trainable)} trainable parameters; give it all of them")
+            # Frozen parameters may ride along (the usual freeze-some-layers pattern); they get no gradient.
+            self.frozen = [p for p in given if id(p) not in trainable]
+            if any(p.requires_grad for p in self.frozen):
+                raise ValueError("optimizer: holds a trainable parameter that is not the model's")
         self.flat = [p.detach().view(-1) for p in self.params]
         self.previous = [p.detach().clone() for p in self.params] if keep_previous else None
         self.previous_flat = [t.view(-1) for t in self.previous] if keep_previous else None
@@ -79,6 +87,8 @@ class Iterate:
             else:
                 for p, d in zip(self.params, direction):
                     p.grad = d.view_as(p).clone()
+                for p in self.frozen:  # whatever gradient a frozen parameter held is not the release's
+                    p.grad = None
                 self.optimizer.step()
                 self.move = (
                     global_norm([p - q for p, q in zip(self.params, self.previous)])

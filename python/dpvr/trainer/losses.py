@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 Criterion = Callable[[Tensor, Tensor], Tensor]
 
@@ -31,10 +33,19 @@ def per_sample(criterion: Criterion) -> Criterion:
         raise TypeError(f"criterion: expected a loss callable (output, target) -> loss, got {criterion!r}")
     criterion = _public_normaliser(criterion)
 
-    def loss(output: Tensor, target: Tensor) -> Tensor:
-        return criterion(output.unsqueeze(0), target.unsqueeze(0)).reshape(())
+    def loss(output: Any, target: Tensor) -> Tensor:
+        batched = tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, output)
+        return criterion(_logits(criterion, batched), target.unsqueeze(0)).reshape(())
 
     return loss
+
+
+def _logits(criterion: Criterion, output: Any) -> Any:
+    """A torch loss module given a structured output with ``logits`` (a Hugging Face ``ModelOutput``) gets
+    the logits; any other criterion gets the output as the model returned it."""
+    if isinstance(criterion, nn.modules.loss._Loss) and isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    return output
 
 
 def _public_normaliser(criterion: Criterion, *, warn: bool = True) -> Criterion:
@@ -65,7 +76,7 @@ def check_separable(criterion: Criterion, model: nn.Module, inputs: Tensor, targ
     with torch.no_grad():
         output = model(x)
         try:
-            batched = criterion(output, y)
+            batched = criterion(_logits(criterion, output), y)
         except Exception as err:  # the user's criterion: name it in the message
             raise ValueError(f"criterion: fails on the model's output for a batch ({err})") from err
         if batched.numel() != 1:
@@ -73,7 +84,8 @@ def check_separable(criterion: Criterion, model: nn.Module, inputs: Tensor, targ
                 "criterion: must return a scalar for a batch (mean or sum reduction), got shape "
                 f"{tuple(batched.shape)}"
             )
-        each = torch.stack([loss(o, t) for o, t in zip(output, y)])
+        each = torch.stack([loss(tree_map(lambda t, i=i: t[i] if isinstance(t, Tensor) else t, output), y[i])
+                            for i in range(len(y))])
     tolerance = 1e-4 * (1 + float(each.abs().sum()))
     value = float(batched)
     if abs(value - float(each.mean())) > tolerance and abs(value - float(each.sum())) > tolerance:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ... import ops
 from ..materialized import Grads, LossFn, _check_point, clip_dtype, trainable_parameters
@@ -31,6 +31,25 @@ _HALF = (torch.float16, torch.bfloat16)
 def _widened(v: Any, dtype: torch.dtype) -> Any:
     """``v`` in ``dtype`` when it is a half-precision tensor (an autocast activation or gradient)."""
     return v.to(dtype) if isinstance(v, Tensor) and v.dtype in _HALF else v
+
+
+def _shared_call(args: tuple, kwargs: dict, output: Any, batch: int) -> bool:
+    """Whether a layer was called once for the whole batch on inputs with a leading dimension of one (a
+    position embedding of ``(1, T)`` position ids, broadcast over the batch by the model): its output
+    gradient would then be the sum over records, so the call is recorded as ``batch`` identical calls,
+    one per record, with its output expanded to match (broadcasting against it is unchanged)."""
+    if batch == 1 or type(output) is not Tensor or output.dim() == 0 or output.shape[0] != 1:
+        return False
+    leaves = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, Tensor)]
+    return bool(leaves) and all(v.dim() > 0 and v.shape[0] == 1 for v in leaves)
+
+
+def _batched(v: Any, batch: int) -> bool:
+    return isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == batch
+
+
+def _per_record(v: Any, batch: int) -> Any:
+    return v.expand(batch, *v.shape[1:]) if isinstance(v, Tensor) else v
 
 
 def _zeros_like(t: Tensor) -> Callable[[], Tensor]:
@@ -373,7 +392,11 @@ class GhostClipper:
             local = {attr: values[self._index_of[id(p)]] if id(p) in self._index_of else p.detach()
                      for attr, p in layer.module.named_parameters()}
 
-            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+                shared = _shared_call(args, kwargs, output, batch)
+                if shared:  # one call serving every record (position ids): made a call per record
+                    args, kwargs = tree_map(lambda v: _per_record(v, batch), (args, kwargs))
+                    output = _per_record(output, batch)
                 if not kwargs and all(type(v) is Tensor for v in args):  # the common call, without pytrees
                     flat = [v.detach() for v in args]
                     recorded = (tuple(_widened(v, self._dtype) for v in flat), {})
@@ -393,6 +416,7 @@ class GhostClipper:
                         # modifies it in place (ReLU(inplace=True)).
                         pending.append((call, k, get_gradient_edge(o), _zeros_like(o)))
                 calls[layer].append(call)
+                return output if shared else None
             return hook
 
         handles = [layer.module.register_forward_hook(hook_for(layer), with_kwargs=True) for layer in calls]
@@ -409,6 +433,8 @@ class GhostClipper:
                 # Leaves that require gradients: every tracked output has a gradient edge.
                 leaves = {name: v.detach().requires_grad_() for (name, _), v in zip(self._named, values)}
                 output = functional_call(self.model, leaves, (inputs,))
+                # A structured output (a ModelOutput with a cache): the loss gets its per-record tensors only.
+                output = tree_map(lambda t: t if _batched(t, batch) else None, output)
                 losses = vmap(self.loss_fn)(output, targets)
                 if tuple(losses.shape) != (batch,):
                     raise ValueError("loss_fn must return a scalar per sample; it returned shape "

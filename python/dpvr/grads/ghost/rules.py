@@ -18,6 +18,7 @@ forming ``u_i`` for ``Outer`` and ``Rows``.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
@@ -334,7 +335,15 @@ def register_ghost_rule(*module_types: type[nn.Module], replace: bool = False) -
     return decorate
 
 
+# Rules for other libraries' layers, keyed by the layer's qualified name: the module defining the rule is
+# imported (and registers it) the first time such a layer is seen, so dpvr never imports those libraries.
+_RULES_ELSEWHERE = {"transformers.pytorch_utils.Conv1D": "dpvr.grads.ghost.huggingface"}
+
+
 def rule_for(module: nn.Module) -> type[GhostRule] | None:
     """The rule registered for ``type(module)`` that supports its configuration, or None."""
-    rule = _RULES.get(type(module))
+    kind = type(module)
+    if kind not in _RULES and f"{kind.__module__}.{kind.__qualname__}" in _RULES_ELSEWHERE:
+        importlib.import_module(_RULES_ELSEWHERE[f"{kind.__module__}.{kind.__qualname__}"])
+    rule = _RULES.get(kind)
     return rule if rule is not None and rule.supports(module) else None
