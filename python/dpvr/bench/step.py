@@ -65,7 +65,7 @@ from ..grads import GhostClipper, per_sample_grads_at_two_points
 from ..results import Record
 from .timing import device_sync, host_syncs, interleaved_median_ms, peak_bytes
 
-CASES = ("mlp", "cnn", "transformer")
+CASES = ("mlp", "cnn", "transformer", "lstm", "gpt2")
 CLIP, CLIP2, SIGMA, LR = 1.0, 10.0, 1.0, 0.05
 FRESH_BATCHES = 4  # the fresh-batch round cycles through this many batches
 WIDTHS = (784, 256, 128, 1)
@@ -101,6 +101,36 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.head(self.layers(self.embed(tokens)).mean(dim=1))
+
+
+class Recurrent(nn.Module):
+    """An LSTM classifier: token embedding, one LSTM layer, a linear head on the last step's output."""
+
+    def __init__(self, vocab: int = 1000, width: int = 64, hidden: int = 128, classes: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.lstm(self.embed(tokens))[0][:, -1])
+
+
+class Decoder(nn.Module):
+    """A GPT-2 decoder from ``transformers`` (a config, random weights; Conv1D projections and the tied
+    language-model head), classifying a sequence from its last position's logits over ``classes`` tokens."""
+
+    def __init__(self, vocab: int = 1000, width: int = 64, layers: int = 2, length: int = 64,
+                 classes: int = 2) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers,
+                                         n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False)
+        self.gpt2, self.classes = transformers.GPT2LMHeadModel(config), classes
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.gpt2(tokens).logits[:, -1, : self.classes]
 
 
 def squared(output: Tensor, target: Tensor) -> Tensor:
@@ -172,6 +202,13 @@ def _make_case(name: str, batch: int | None) -> Case:
         b = batch or 64
         data = [(torch.randint(0, 1000, (b, 64)), torch.randint(0, 2, (b,))) for _ in range(FRESH_BATCHES)]
         return Case("transformer-2layer-seq64", Encoder(), data, cross_entropy, nn.CrossEntropyLoss())
+    if name in ("lstm", "gpt2"):
+        b = batch or 64
+        length = 32 if name == "lstm" else 64
+        data = [(torch.randint(0, 1000, (b, length)), torch.randint(0, 2, (b,)))
+                for _ in range(FRESH_BATCHES)]
+        model, label = (Recurrent(), "lstm-128-seq32") if name == "lstm" else (Decoder(), "gpt2-2layer-seq64")
+        return Case(label, model, data, cross_entropy, nn.CrossEntropyLoss())
     raise ValueError(f"case: must be one of {CASES}, got {name!r}")
 
 

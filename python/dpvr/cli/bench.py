@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..bench.step import CASES
 from .flags import with_default
 
 
@@ -26,9 +27,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--case",
-        choices=["mlp", "cnn", "transformer", "all"],
+        choices=[*CASES, "all"],
         default="all",
-        help=with_default("step: the model (an MLP, a small CNN, a small transformer encoder)", "all"),
+        help=with_default(
+            "step: the model (an MLP, a small CNN, a small transformer encoder, an LSTM classifier, a small "
+            "GPT-2 from transformers)",
+            "all",
+        ),
     )
     p.add_argument(
         "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"

@@ -94,7 +94,7 @@ class _Layer:
 
     @property
     def ghost(self) -> bool:
-        return not isinstance(self.rule, VjpRule)
+        return not isinstance(self.rule, VjpRule) or self.rule.recorded_as_ghost
 
 
 @dataclass

@@ -71,6 +71,9 @@ class VjpRule(GhostRule):
 
     parameters = None
     loop: ClassVar[bool] = False
+    # Whether the rule's recording forms ghost parts (``Outer``) in the module's usual configuration, so that
+    # the layer counts as a ghost layer (its per-sample gradients materialised only in the fallback).
+    recorded_as_ghost: ClassVar[bool] = False
 
     def in_dim(self, position: int | str, leaf: object, batch: int) -> int | None:
         """The batch dimension of a tensor ``leaf`` of the argument at ``position`` (index or keyword)."""
