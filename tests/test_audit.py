@@ -11,6 +11,7 @@ import torch
 
 from dpvr import ops
 from dpvr.audit import (
+    DEFAULT_DELTA,
     TARGETS,
     audit,
     clopper_pearson,
@@ -20,6 +21,7 @@ from dpvr.audit import (
     threshold_lower_bound,
 )
 from dpvr.audit.targets import (
+    TABLE,
     diff2_gd,
     double_spider,
     double_spider_difference,
@@ -91,6 +93,16 @@ def test_every_algorithm_audits_below_its_claim(name):
     result = audit(TARGETS[name].make(), trials, seed=5)
     assert 0 < result.claimed_epsilon < 2.5
     assert result.epsilon_lower_bound <= result.claimed_epsilon
+
+
+def test_every_row_builds_its_game_under_a_name_of_its_own():
+    """Two rows of one name would leave one out of TARGETS; every row builds its game (calibrating its
+    noise), and the games' names, which an audit's results carry, differ too."""
+    names = [target.name for target in TABLE]
+    assert len(set(names)) == len(names) and set(names) == set(TARGETS)
+    games = [target.make() for target in TABLE]
+    assert all(callable(game.play) and game.delta == DEFAULT_DELTA for game in games)
+    assert len({game.name for game in games}) == len(games)
 
 
 DOUBLE_SPIDER = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")

@@ -20,7 +20,7 @@ Canaries:
   same from records whose loss values, ``+-G |w . e|`` or ``-+G w . e``, fall on either side of a clip
   radius or of the loss cap. The score reads each audited release back from the released values
   (:func:`gaussian_score`);
-- **input-space canaries** (:func:`input_canary_game`): an ordinary record (an outlier input with a chosen
+- **input-space canaries** (:func:`input_canary_records`): an ordinary record (an outlier input with a chosen
   label) in an ordinary model; the score is the released model's logit on it, a black-box end-to-end check.
 """
 
@@ -346,6 +346,20 @@ def input_canary_data(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.
         torch.tensor(labels).reshape(-1, 1),
         torch.tensor(canary).reshape(1, -1),
     )
+
+
+def input_canary_records(
+    n: int, dim: int, seed: int
+) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The two sides of :func:`input_canary_data`'s game, its ``n`` records plus the canary input labelled 1
+    (side 0) or 0 (side 1), and the canary input, which a score evaluates the released model on."""
+    features, labels, canary = input_canary_data(n, dim, seed)
+    inputs = torch.cat([features, canary])
+
+    def side(label: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs, torch.cat([labels, torch.full((1, 1), label, dtype=labels.dtype)])
+
+    return (side(1.0), side(0.0)), canary
 
 
 def logistic_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
