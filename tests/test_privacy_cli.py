@@ -4,6 +4,7 @@ import argparse
 import json
 import re
 
+import numpy as np
 import pytest
 
 from dpvr.cli import account as account_cli
@@ -232,3 +233,24 @@ def test_errors_name_the_argument(command, match):
     args = _parse(command)
     with pytest.raises(ValueError, match=match):
         args.run(args)
+
+
+def test_spend_curves_end_at_the_runs_epsilon_and_plot_for_every_command(capsys, tmp_path):
+    from dpvr.privacy import spend_curves
+    from dpvr.privacy.events import DPSGDPlan
+    from dpvr.privacy.last_iterate import epsilon_by_epoch
+
+    plan = DPSGDPlan(dataset_size=1000, batch_size=50, steps=40)
+    curves = spend_curves(plan, {"gradient": 1.0}, 1e-5, [1, 10, 40])
+    assert list(curves) == ["epsilon"]
+    assert curves["epsilon"][-1] == pytest.approx(account(plan(1.0), 1e-5).epsilon, rel=1e-12)
+    assert curves["epsilon"] == sorted(curves["epsilon"])
+    cyclic = CyclicDPSGDPlan(10_000, 10, 20_000, 1e-5, 10, 1, 1, clipping=False)
+    both = spend_curves(cyclic, {"gradient": 1e-5 * 1e4}, 1e-5, [1000, 20_000])  # a pass is 1000 steps
+    by_epoch = epsilon_by_epoch(cyclic, 1e-5 * 1e4, 1e-5, [1, 20])
+    np.testing.assert_allclose(both["last iterate (Kong & Ribero)"], by_epoch["last-iterate"], rtol=1e-12)
+    np.testing.assert_allclose(both["composition of passes"], by_epoch["composition"], rtol=1e-12)
+    png = tmp_path / "spend.png"
+    _run(capsys, f"calibrate diff2 --dataset-size 1000 --clients 2 --steps 40 --restart 4 --epsilon 2 "
+                 f"--delta 1e-5 --plot {png}")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

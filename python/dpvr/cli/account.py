@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..privacy import Accountant, CyclicDPSGDPlan, Plan, PrivacyReport, calibrate, epsilon_by_epoch
+from ..privacy import Accountant, Plan, PrivacyReport, calibrate, spend_curves
 from ..privacy.relations import tightest_accountant
 from ..registry import CALIBRATION, PRIVACY, REGISTRY, AlgorithmSpec, Argument, Sigma
 from . import flags
@@ -117,22 +117,25 @@ def _print_table(title: str, report: PrivacyReport, rows: list[dict]) -> None:
         print(f"  - {text}")
 
 
-def _plot(path: str, plan: CyclicDPSGDPlan, noise_multiplier: float, delta: float, epochs: int) -> None:
-    """The paper's Figure 1 in (epsilon, delta) terms: the last-iterate bound beside composition of passes."""
+def _plot(path: str, spec: AlgorithmSpec, plan: Plan, noise: dict[str, float], delta: float,
+          accountant: str) -> None:
+    """Epsilon spent against the steps of the run, per bound that accounts it (the last-iterate plan draws
+    its bound beside composition of passes: the paper's Figure 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    curves = epsilon_by_epoch(plan, noise_multiplier, delta, range(1, epochs + 1))
+    total = getattr(plan, "steps", 1)
+    steps = sorted({int(k) for k in np.linspace(1, total, min(total, 40))})
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(curves["epochs"], curves["last-iterate"], label="last iterate (Kong & Ribero)")
-    ax.plot(curves["epochs"], curves["composition"], "--", label="composition of passes")
+    for k, (label, curve) in enumerate(spend_curves(plan, noise, delta, steps, accountant).items()):
+        ax.plot(steps, curve, "-" if k == 0 else "--", marker="." if len(steps) < 12 else None, label=label)
     ax.set_yscale("log")
-    ax.set_xlabel("epochs")
-    ax.set_ylabel(f"epsilon at delta = {delta:g}")
-    clipping = "clipped" if plan.clipping else "no clipping"
-    ax.set_title(f"cyclic DP-SGD, m={plan.weak_convexity:g}, M={plan.smoothness:g}, {clipping}")
+    ax.set_xlabel("steps")
+    ax.set_ylabel(f"epsilon at delta = {delta:g} ({accountant})")
+    ax.set_title(f"{spec.name}: privacy spent over the run")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -144,8 +147,8 @@ def _run_account(args: argparse.Namespace) -> int:
     plan = _plan(spec, args)
     noise = _noise(spec, args, plan)
     report, rows = _report(args, spec, plan, noise)
-    if getattr(args, "plot", None):
-        _plot(args.plot, plan, noise["gradient"], args.delta, args.epochs)
+    if args.plot:
+        _plot(args.plot, spec, plan, noise, args.delta, _accountant(args, plan))
     if args.json:
         print(json.dumps({"algorithm": spec.name, **report.to_dict(), "streams": rows}))
     else:
@@ -163,6 +166,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         plan, args.epsilon, args.delta, args.shares, _accountant(args, plan), args.calibration, **options
     )
     report, rows = _report(args, spec, plan, noise)
+    if args.plot:
+        _plot(args.plot, spec, plan, noise, args.delta, _accountant(args, plan))
     if args.json:
         single = next(iter(noise.values())) if len(noise) == 1 else noise
         out = {"algorithm": spec.name, "noise_multiplier": single, "calibration": args.calibration}
@@ -195,10 +200,6 @@ def _add_algorithm(parser: argparse.ArgumentParser, spec: AlgorithmSpec, command
         noise = parser.add_argument_group("noise", _PAPER_UNITS if spec.sigmas else _MULTIPLIERS)
         for argument in (spec.noise,) if spec.noise else map(_sigma_argument, spec.sigmas):
             flags.add(noise, argument)
-        if spec.plan_type is CyclicDPSGDPlan:
-            parser.add_argument(
-                "--plot", metavar="FILE", help="write a PNG of epsilon against epochs, beside composition"
-            )
     privacy = parser.add_argument_group("privacy")
     described = {"neighbouring": _default_neighbouring(spec), "accountant": _TIGHTEST}
     for argument in PRIVACY:
@@ -211,6 +212,10 @@ def _add_algorithm(parser: argparse.ArgumentParser, spec: AlgorithmSpec, command
             for argument in spec.paper_options:
                 flags.add(paper, argument)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--plot", metavar="FILE",
+        help="also write a PNG of epsilon against the run's steps (for last-iterate: beside composition)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -13,7 +13,7 @@ Noise multipliers are the noise std over the L2 bound on one record's contributi
 replace-one and add/remove neighbours).
 """
 
-from .accountant import Accountant, PrivacyReport, account, event_from_dict, event_to_dict
+from .accountant import Accountant, PrivacyReport, account, event_from_dict, event_to_dict, spend_curves
 from .calibration import MechanismFactory, calibrate
 from .events import (
     DIFF2Plan,
@@ -64,6 +64,7 @@ __all__ = [
     "Sampling",
     "Stream",
     "account",
+    "spend_curves",
     "accountant_backend",
     "calibrate",
     "epsilon_by_epoch",

@@ -517,10 +517,36 @@ def account(mechanism: Mechanism, delta: float, accountant: str = "rdp") -> Priv
     return acc.report(delta)
 
 
+def spend_curves(
+    plan: Any, noise: Mapping[str, float], delta: float, steps: Sequence[int], accountant: str = "rdp"
+) -> dict[str, list[float]]:
+    """Epsilon at ``delta`` after each number of ``steps`` of ``plan``'s run with ``noise``, per bound that
+    accounts it (:meth:`dpvr.privacy.events.Plan.cut`: one curve, or the last-iterate bound beside
+    composition); a length the plan refuses (e.g. not a whole number of rounds) is left out as ``nan``."""
+    cuts = []
+    for k in steps:
+        try:
+            cuts.append(plan.cut(int(k)))
+        except ValueError:
+            cuts.append({})
+    labels = dict.fromkeys(label for runs in cuts for label in runs)
+    return {
+        label: [account(_mechanism(runs[label], noise), delta, accountant=accountant).epsilon
+                if label in runs else math.nan for runs in cuts]
+        for label in labels
+    }
+
+
+def _mechanism(plan: Any, noise: Mapping[str, float]) -> Mechanism:
+    """A cut run's mechanism: the streams it has releases of (a short run may have no difference round)."""
+    return plan.mechanism({stream: noise[stream] for stream in plan.streams})
+
+
 __all__ = [
     "Accountant",
     "PrivacyReport",
     "account",
+    "spend_curves",
     "event_from_dict",
     "event_to_dict",
 ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Union
 
 import dp_accounting as dpa
@@ -182,6 +182,13 @@ class Plan:
     def step(self, name: str, noise: Noise) -> tuple[dict[str, float], dpa.DpEvent]:
         """``(attribution, event)`` of one release of stream ``name``, for ``Accountant.record``."""
         return self.mechanism(noise).step(name)
+
+    def cut(self, steps: int) -> dict[str, Plan]:
+        """This run stopped after ``steps`` steps, under each bound that accounts it, by curve label (the
+        spend curves of :func:`dpvr.privacy.spend_curves`); a plan without steps is its whole run."""
+        if "steps" not in {f.name for f in fields(self)}:
+            return {"epsilon": self}
+        return {"epsilon": replace(self, steps=steps)}
 
     def paper_noise(self, epsilon: float, delta: float, **options: float) -> dict[str, float]:
         """The paper's closed-form noise multipliers for a target ``(epsilon, delta)``."""

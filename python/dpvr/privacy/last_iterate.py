@@ -199,6 +199,18 @@ class CyclicDPSGDPlan(Plan):
         """``ell = k / b``."""
         return _passes_length(self.dataset_size, self.batch_size)
 
+    def cut(self, steps: int) -> dict[str, Plan]:
+        """The run after ``steps`` steps under the last-iterate bound (where its step-size condition holds)
+        and under composition of passes: the paper's Figure 1."""
+        runs: dict[str, Plan] = {}
+        for bound, label in (("last-iterate", "last iterate (Kong & Ribero)"),
+                             ("composition", "composition of passes")):
+            try:
+                runs[label] = replace(self, steps=steps, bound=bound)
+            except ValueError:  # the step-size condition of the last-iterate bound fails
+                continue
+        return runs
+
     @property
     def passes(self) -> int:
         """Passes started, ``ceil(T / ell)`` (each record is used once per pass)."""
