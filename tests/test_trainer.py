@@ -327,3 +327,20 @@ def test_the_front_door_trains_on_cuda(digits, algorithm) -> None:
     assert trainer.algorithm.gradients.mode in ("ghost", "mixed")
     assert trainer.privacy_spent().epsilon <= EPSILON * (1 + 1e-9)
     assert _accuracy(model.cpu(), x_test, y_test) >= CASES[algorithm][2]
+
+
+def test_every_problem_with_the_settings_is_listed_at_once_and_a_loaders_batch_size_is_taken(digits) -> None:
+    dataset, *_ = digits
+    with pytest.raises(ValueError, match="3 problems") as raised:
+        dpvr.make_private(_mlp(), nn.CrossEntropyLoss(), dataset, algorithm="dp-sgd", epsilon=1.0, epochs=0,
+                          batch_size=5000, lr=0.1)
+    message = str(raised.value)
+    assert "epochs: the number of passes over the data must be > 0, got 0" in message
+    assert "must lie in [1, 1400], got 5000" in message and "clip: 'dp-sgd' needs this setting" in message
+    with pytest.raises(ValueError, match="steps: the number of steps must be a whole number >= 1, got 0"):
+        dpvr.make_private(_mlp(), nn.CrossEntropyLoss(), dataset, algorithm="dp-sgd", epsilon=1.0, steps=0,
+                          batch_size=64, lr=0.1, clip=1.0)
+    with pytest.warns(UserWarning, match="sampler"):
+        trainer = dpvr.make_private(_mlp(), nn.CrossEntropyLoss(), DataLoader(dataset, batch_size=50),
+                                    algorithm="dp-sgd", epsilon=1.0, steps=2, lr=0.1, clip=1.0)
+    assert trainer.algorithm.plan.batch_size == 50

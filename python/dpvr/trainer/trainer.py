@@ -130,8 +130,16 @@ def make_private(
     for shard in shards:
         if isinstance(shard, DataLoader):
             check_collate(shard.collate_fn, shard.dataset)
+    if batch_size is None and sampled and isinstance(shards[0], DataLoader):
+        batch_size = shards[0].batch_size  # the (expected) batch size the user already chose
     tensors = [tuple(t.to(device) for t in dataset_tensors(d, dtype)) for d in shards]
     n = min(len(x) for x, _ in tensors)
+    per_stream = layout == "per-stream"
+    if sampled:
+        settings["batch_size"] = batch_size
+    if optimizer is not None:
+        settings["optimizer"] = optimizer
+    _check_settings(spec, cls, n, settings, batch_size=batch_size, epochs=epochs, steps=steps)
     runtime = runtime or RuntimeConfig()
     probe = [t[:PROBE] for t in tensors[0]]
     loss = criterion if minimax else per_sample(criterion)
@@ -141,26 +149,13 @@ def make_private(
     if not minimax:
         check_separable(criterion, module, *probe)
 
-    per_stream = layout == "per-stream"
-    if (epochs is None) == (steps is None) and not per_stream:
-        raise ValueError("give the run's length as exactly one of epochs= or steps=")
-    if sampled:
-        if batch_size is None:
-            raise ValueError(f"batch_size: {algorithm!r} samples a batch each step; give its (expected) size")
-        settings["batch_size"] = batch_size
-    elif batch_size is not None and layout == "full-batch":
-        raise ValueError(f"batch_size: {algorithm!r} uses the full batch every step")
     # One definition of an epoch, the sampler's: ceil(n / b) here once charged one random-allocation epoch
     # as two (the plan prices any step past round(n / b) as a new epoch).
     scheme = _sampling(cls, settings) if sampled else "full"
     per_epoch = 1 if per_stream else steps_per_epoch(scheme, n, batch_size)
     if steps is None:
-        if per_stream:
-            raise ValueError(f"steps: {algorithm!r} takes steps= (its batches differ per stream)")
         steps = max(1, round(epochs * per_epoch))
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant)
-    if optimizer is not None:
-        settings["optimizer"] = optimizer
     arguments: dict[str, Any] = {
         "steps": steps,
         "privacy": privacy,
@@ -172,6 +167,44 @@ def make_private(
     else:
         private = cls(module, loss, *tensors[0], **arguments)
     return PrivateTrainer(private, steps_per_epoch=per_epoch)
+
+
+def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: Mapping[str, Any], *,
+                    batch_size: int | None, epochs: float | None, steps: int | None) -> None:
+    """Every problem with the run's length, its batch size and the algorithm's own settings, listed at once
+    with what each setting means (rather than one per try)."""
+    layout, problems = spec.layout, []
+    if layout == "per-stream":
+        if steps is None:
+            problems.append(f"steps: {spec.name!r} takes steps= (its batches differ per stream)")
+        if epochs is not None:
+            problems.append(f"epochs: {spec.name!r} has no single epoch (its batches differ per stream)")
+    elif (epochs is None) == (steps is None):
+        problems.append("give the run's length as exactly one of epochs= or steps=")
+    if steps is not None and not (isinstance(steps, int) and steps >= 1):
+        problems.append(f"steps: the number of steps must be a whole number >= 1, got {steps!r}")
+    if epochs is not None and not (isinstance(epochs, (int, float)) and epochs > 0):
+        problems.append(f"epochs: the number of passes over the data must be > 0, got {epochs!r}")
+    if layout == "sampled" and batch_size is None:
+        problems.append(f"batch_size: {spec.name!r} samples a batch each step; give its (expected) size "
+                        "(or a DataLoader with a batch_size)")
+    elif layout == "full-batch" and batch_size is not None:
+        problems.append(f"batch_size: {spec.name!r} uses the full batch every step")
+    if batch_size is not None and layout == "sampled" and not 1 <= batch_size <= n:
+        problems.append(f"batch_size: each step samples about batch_size records of the {n} in the dataset, "
+                        f"so it must lie in [1, {n}], got {batch_size}")
+    meaning = {a.name: a.help for a in spec.arguments}
+    empty, keyword = inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY
+    for name, parameter in inspect.signature(cls).parameters.items():
+        required = parameter.kind is keyword and parameter.default is empty
+        if required and name not in settings and name not in ("steps", "privacy", "runtime"):
+            what = f" ({meaning[name]})" if name in meaning else ""
+            problems.append(f"{name}: {spec.name!r} needs this setting{what}")
+    if len(problems) == 1:
+        raise ValueError(f"make_private({spec.name!r}): {problems[0]}")
+    if problems:
+        listed = "\n  - ".join(problems)
+        raise ValueError(f"make_private({spec.name!r}): {len(problems)} problems:\n  - {listed}")
 
 
 def _sampling(cls: type, settings: Mapping[str, Any]) -> str:
