@@ -34,6 +34,7 @@ from dpvr.optim import (
     check_loss,
 )
 from dpvr.optim.gradients import ClippedGradients
+from dpvr.optim.records import Records, as_records
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import REPLACE_ONE, Accountant, Plan, Sampling, Stream, calibrate
 from dpvr.privacy.allocation import stream_dimensions
@@ -92,8 +93,8 @@ class MomentumSGD(PrivateAlgorithm):
         self,
         model: nn.Module,
         loss_fn: Any,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        inputs: torch.Tensor | Records,
+        targets: torch.Tensor | None = None,
         *,
         lr: float,
         clip: float,
@@ -105,12 +106,13 @@ class MomentumSGD(PrivateAlgorithm):
         privacy: PrivacyConfig = DEFAULT_PRIVACY,
         runtime: RuntimeConfig = DEFAULT_RUNTIME,
     ) -> None:
-        n = len(inputs)
+        records = as_records(inputs, targets)  # tensors, or a Dataset loaded per batch (the front door's)
+        n = len(records)
         plan = MomentumPlan(n, batch_size, steps, sampling, privacy.neighbouring or REPLACE_ONE)
         self.sampler = BatchSampler.for_stream(plan, "gradient", n, runtime.sampler_seed)
-        check_loss(model, loss_fn, inputs, targets)
+        check_loss(model, loss_fn, *records.probe(1))
         super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
-        self.inputs, self.targets = inputs, targets
+        self.records = records
         self.lr, self.clip, self.momentum = float(lr), float(clip), float(momentum)
         self.gradients = ClippedGradients(
             model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
@@ -119,15 +121,15 @@ class MomentumSGD(PrivateAlgorithm):
         self.v = DifferenceEstimator(self.flat)
         self.velocity = [torch.zeros_like(f) for f in self.flat]
 
-    def _data(self) -> list[torch.Tensor]:
-        return [self.inputs, self.targets]
+    def _data(self) -> str:
+        return self.records.fingerprint()
 
     def _step(self) -> dict[str, float]:
         with self.releasing("gradient"):
-            batch = torch.as_tensor(self.sampler.draw(), dtype=torch.long)
+            inputs, targets = self.records.draw(self.sampler)
             for s in self._sum:
                 s.zero_()
-            dropped = self.gradients.sum(self.inputs[batch], self.targets[batch], self.clip, self._sum)
+            dropped = self.gradients.sum(inputs, targets, self.clip, self._sum)
             self.v.release(
                 "gradient",
                 ClippedSum(self._sum, self.clip, self.sampler.batch_size),
@@ -139,7 +141,7 @@ class MomentumSGD(PrivateAlgorithm):
             for m, v, x in zip(self.velocity, self.v.value, self.flat):
                 m.mul_(self.momentum).add_(v)
                 x.sub_(self.lr * m)
-        return {"batch": len(batch), "nonfinite": dropped}
+        return {"batch": len(inputs), "nonfinite": dropped}
 
     def _buffers(self) -> dict[str, list[torch.Tensor]]:
         return {"v": self.v.value, "velocity": self.velocity}

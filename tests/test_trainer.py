@@ -71,7 +71,7 @@ def test_a_digits_mlp_trains_with_adam_and_a_dataloader_within_the_budget(digits
     criterion, settings, floor = CASES[algorithm]
     model = _mlp()
     before = _accuracy(model, x_test, y_test)
-    with pytest.warns(UserWarning, match="sampler, batch size and shuffling are replaced"):
+    with pytest.warns(UserWarning, match="sampler and shuffling are replaced"):
         trainer = dpvr.make_private(
             model,
             criterion(),

@@ -9,6 +9,7 @@ from .gradients import check_loss
 from .minimax import DPSGDA, MinimaxAlgorithm, PrivateDiff
 from .phased import CertificateError, PhasedOutputPerturbation, PhasedResult
 from .prox import L1, ElasticNet, L2Ball
+from .records import DatasetRecords, Records, TensorRecords
 from .spider import DoubleSpider, RecursiveSpider
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "BudgetExhaustedError",
     "CertificateError",
     "ClippedSum",
+    "DatasetRecords",
     "DifferenceEstimator",
     "DivergedError",
     "DoubleSpider",
@@ -33,7 +35,9 @@ __all__ = [
     "PrivateAlgorithm",
     "PrivateDiff",
     "Radius",
+    "Records",
     "RecursiveSpider",
     "RuntimeConfig",
+    "TensorRecords",
     "check_loss",
 ]

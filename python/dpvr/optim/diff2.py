@@ -16,6 +16,7 @@ from .base import LossFn, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, step_size
 from .gradients import ClippedGradients, check_loss
+from .records import Records, as_records, records_fingerprint
 from .sampling import BatchSampler
 
 ROUTINES = ("gd", "bvr-l-sgd")
@@ -81,45 +82,62 @@ class ClientTransport(Protocol):
 class InProcessClients:
     """Every client's shard in this process, computed one after another (the simulation).
 
+    ``shards``: each client's records (:class:`~dpvr.optim.records.Records`, or ``(inputs, targets)``
+    tensors). A round reads each client's full batch (:meth:`~dpvr.optim.records.Records.full`: for tensors,
+    the tensors themselves every round), a local step the records drawn.
+
     ``gradients``: one :class:`ClippedGradients` for every client, or one per client (each then keeps its
     own client's recording for reuse in the next full-batch round).
     """
 
-    def __init__(self, shards: Sequence[Shard], gradients: ClippedGradients | Sequence[ClippedGradients],
-                 like: Sequence[torch.Tensor]):
-        for p, (x, y) in enumerate(shards):
-            if len(x) == 0 or len(x) != len(y):
-                raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
-        self.shards = list(shards)
+    def __init__(self, shards: Sequence[Shard | Records],
+                 gradients: ClippedGradients | Sequence[ClippedGradients], like: Sequence[torch.Tensor]):
+        self.shards = [_client_records(p, shard) for p, shard in enumerate(shards)]
         each = [gradients] * len(self.shards) if isinstance(gradients, ClippedGradients) else list(gradients)
         if len(each) != len(self.shards):
             raise ValueError(f"gradients: one per client ({len(self.shards)}), got {len(each)}")
         self.gradients = each
-        self.sizes = [len(x) for x, _ in self.shards]
+        self.sizes = [len(records) for records in self.shards]
         self._out = [torch.zeros_like(t) for t in like]
 
     def round(
         self, r: int, restart: bool, radius: float, previous: Sequence[torch.Tensor]
     ) -> Iterator[tuple[Sequence[torch.Tensor], int]]:
-        for (x, y), gradients in zip(self.shards, self.gradients):
+        for records, gradients in zip(self.shards, self.gradients):
+            # A zero radius releases zeros without reading a record (clipped_mean's early return).
+            x, y = records.full() if radius != 0 else records.probe(1)
             dropped = clipped_mean(gradients, x, y, radius, self._out, None if restart else previous)
             yield self._out, dropped
 
     def local(
         self, r: int, client: int, batch: np.ndarray | None, radius: float, previous: Sequence[torch.Tensor]
     ) -> tuple[Sequence[torch.Tensor], int]:
-        x, y = self.shards[client]
-        if batch is not None:
-            index = torch.as_tensor(batch, dtype=torch.long)
-            x, y = x[index], y[index]
+        records = self.shards[client]
+        # batch None: a zero radius, which releases zeros without reading a record (clipped_mean).
+        x, y = records.probe(1) if batch is None else records.batch(batch)
         return self._out, clipped_mean(self.gradients[client], x, y, radius, self._out, previous)
+
+
+def _client_records(p: int, shard: Shard | Records) -> Records:
+    """Client ``p``'s records from ``shard`` (records, or an ``(inputs, targets)`` pair of tensors)."""
+    if isinstance(shard, Records):
+        records = shard
+    else:
+        x, y = shard
+        if len(x) == 0 or len(x) != len(y):
+            raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
+        records = as_records(x, y)
+    if len(records) == 0:
+        raise ValueError(f"clients[{p}]: needs matching, non-empty inputs and targets")
+    return records
 
 
 class DIFF2(PrivateAlgorithm):
     """DIFF2 with the GD routine (DIFF2-GD, Algorithms 1 and 3) or the BVR-L-SGD routine (Algorithm 4).
 
-    ``clients`` is a list of ``(inputs, targets)`` shards, one per client, or a :class:`ClientTransport`
-    that reaches clients elsewhere (:mod:`dpvr.distributed`); the objective is the unweighted mean of the
+    ``clients`` is a list of ``(inputs, targets)`` shards (or :class:`~dpvr.optim.records.Records`, e.g. a
+    user's ``Dataset`` loaded batch by batch), one per client, or a :class:`ClientTransport` that reaches
+    clients elsewhere (:mod:`dpvr.distributed`); the objective is the unweighted mean of the
     clients' empirical risks. Round ``r`` (1-based) at ``x_{r-1}``, with the estimator ``v``:
 
     - restart rounds (``(r - 1) % restart == 0``): ``v = mean_p ClippedMean_p(x_{r-1}; C1)
@@ -166,7 +184,7 @@ class DIFF2(PrivateAlgorithm):
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        clients: Sequence[Shard] | ClientTransport,
+        clients: Sequence[Shard | Records] | ClientTransport,
         *,
         lr: float | None = None,
         steps: int,
@@ -186,7 +204,11 @@ class DIFF2(PrivateAlgorithm):
         remote = isinstance(clients, ClientTransport)
         if isinstance(clients, tuple) and len(clients) == 2 and isinstance(clients[0], torch.Tensor):
             raise TypeError("clients: a list of (inputs, targets) shards; [(inputs, targets)] for one client")
-        sizes = list(clients.sizes) if remote else [len(x) for x, _ in clients]
+        if isinstance(clients, Records):
+            raise TypeError("clients: a list of records, one per client; [records] for one client")
+        if not remote:
+            clients = [_client_records(p, shard) for p, shard in enumerate(clients)]
+        sizes = list(clients.sizes) if remote else [len(records) for records in clients]
         if not sizes:
             raise ValueError("clients: at least one (inputs, targets) shard is required")
         if routine not in ROUTINES:
@@ -203,7 +225,7 @@ class DIFF2(PrivateAlgorithm):
         local = ("local",) if routine == "bvr-l-sgd" else ()
         self.clip = stream_clips(clip, ("restart", "difference", *local))
         if not remote:
-            check_loss(model, loss_fn, *clients[0])
+            check_loss(model, loss_fn, *clients[0].probe(1))
         plan = events.DIFF2Plan(min(sizes), len(sizes), steps, restart, local_steps, local_batch)
         super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
         self.lr, self.steps, self.restart, self.optimizer = lr, int(steps), int(restart), optimizer
@@ -246,9 +268,9 @@ class DIFF2(PrivateAlgorithm):
             nonfinite=self.nonfinite, reuse_recording=reuse,
         )
 
-    def _data(self) -> list[torch.Tensor] | str:
-        if self.clients:
-            return [t for shard in self.clients for t in shard]
+    def _data(self) -> str:
+        if self.clients:  # for tensors, the fingerprint a distributed aggregator binds for the same shards
+            return records_fingerprint(self.clients)
         # Shards held by client processes: their fingerprint if the transport knows it, else their sizes.
         remote = getattr(self.transport, "fingerprint", None)
         return remote or f"remote shards of sizes {list(self.transport.sizes)}"

@@ -17,11 +17,14 @@ from .config import PrivacyConfig, RuntimeConfig
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
 from .gradients import ClippedGradients, check_loss
 from .ledger import Release
-from .sampling import BatchSampler, batch_rows
+from .records import Records, as_records
+from .sampling import BatchSampler
 
 
 class DPSGD(PrivateAlgorithm):
-    """DP-SGD (Abadi et al. 2016) on ``(inputs, targets)``.
+    """DP-SGD (Abadi et al. 2016) on ``(inputs, targets)`` tensors, or on
+    :class:`~dpvr.optim.records.Records` given as ``inputs`` (``targets`` omitted), e.g. a user's ``Dataset``
+    loaded batch by batch (:class:`~dpvr.optim.records.DatasetRecords`).
 
     Each step draws a batch (``sampling``: ``"poisson"`` with rate ``batch_size / n``, ``"wor"`` fixed-size
     without replacement, ``"full"``), clips each per-sample gradient to ``clip``, adds
@@ -66,8 +69,8 @@ class DPSGD(PrivateAlgorithm):
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        inputs: torch.Tensor | Records,
+        targets: torch.Tensor | None = None,
         *,
         lr: float | None = None,
         clip: float,
@@ -84,14 +87,13 @@ class DPSGD(PrivateAlgorithm):
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
-        if len(inputs) != len(targets):
-            raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
+        records = as_records(inputs, targets)
         if not clip > 0:
             raise ValueError(f"clip: must be > 0, got {clip}")
         if optimizer is not None and sampling == "cyclic":
             raise ValueError("optimizer: the last-iterate bound is proved for the (proximal) SGD step only")
         lr = step_size(lr, optimizer)
-        n = len(inputs)
+        n = len(records)
         neighbouring = privacy.neighbouring or events.DPSGDPlan.default_neighbouring(sampling)
         if sampling == "full" and neighbouring == "add-remove":
             raise ValueError(
@@ -128,9 +130,9 @@ class DPSGD(PrivateAlgorithm):
                 neighbouring=neighbouring,
             )
             self.sampler = BatchSampler.for_stream(plan, "gradient", n, runtime.sampler_seed)
-        check_loss(model, loss_fn, inputs, targets)
+        check_loss(model, loss_fn, *records.probe(1))
         super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
-        self.inputs, self.targets = inputs, targets
+        self.records = records
         self.lr, self.clip, self.steps, self.prox = lr, float(clip), int(steps), prox
         self.optimizer = optimizer
         self.clipping = clipping or not self.last_iterate_only
@@ -141,18 +143,26 @@ class DPSGD(PrivateAlgorithm):
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: the noisy clipped mean
 
-    def _data(self) -> list[torch.Tensor]:
-        return [self.inputs, self.targets]
+    @property
+    def inputs(self) -> torch.Tensor:
+        """The inputs tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
+        return self.records.inputs
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
+        return self.records.targets
+
+    def _data(self) -> str:
+        return self.records.fingerprint()
 
     def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
-        batch = batch_rows(self.sampler.draw(), self.inputs.device)
+        inputs, targets = self.records.draw(self.sampler)
         for s in self._sum:
             s.zero_()
-        norms = None if self.clipping else torch.empty(len(batch), dtype=self._sum[0].dtype)
-        dropped = self.gradients.sum(
-            self.inputs[batch], self.targets[batch], self.clip, self._sum, norms=norms
-        )
+        norms = None if self.clipping else torch.empty(len(inputs), dtype=self._sum[0].dtype)
+        dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms)
         if norms is not None and not bool((norms <= self.clip).all()):
             raise RuntimeError(
                 f"{self.name}: clipping=False asserted per-example gradient norms <= {self.clip:g}, but a "
@@ -165,7 +175,7 @@ class DPSGD(PrivateAlgorithm):
         )  # fmt: skip
         proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
-        info = {"batch": len(batch), "nonfinite": dropped}
+        info = {"batch": len(inputs), "nonfinite": dropped}
         # A last-iterate run's step length would reveal an intermediate iterate; an optimizer's is unmeasured.
         if not self.last_iterate_only and math.isfinite(self.x.move):
             info["move"] = self.x.move
@@ -221,7 +231,12 @@ class DPGD(DPSGD):
     name = "DP-GD"
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: Any
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inputs: torch.Tensor | Records,
+        targets: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> None:
         if kwargs.pop("sampling", "full") != "full" or kwargs.pop("batch_size", None) not in (
             None,

@@ -30,7 +30,8 @@ from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
 from .gradients import ClippedGradients, check_loss
-from .sampling import BatchSampler, batch_rows
+from .records import Batch, Records, as_records
+from .sampling import BatchSampler
 
 Y_RELEASES = ("ascent", "output")  # how PrivateDiff makes y private
 _OUTPUT_CHUNK = 4096  # records per forward pass when the inner problem reads every record's output
@@ -199,8 +200,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         self,
         model: nn.Module,
         problem: MinimaxProblem,
-        inputs: Tensor,
-        targets: Tensor,
+        records: Records,
         *,
         plan: events.Plan,
         sampler: BatchSampler,
@@ -211,8 +211,6 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         privacy: PrivacyConfig,
         runtime: RuntimeConfig,
     ) -> None:
-        if len(inputs) != len(targets):
-            raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
         if lr_y is not None and not lr_y > 0:
             raise ValueError(f"lr_y: must be > 0, got {lr_y}")
         d = problem.y_dim
@@ -223,7 +221,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
 
         self.problem = problem  # before calibration: y's (public) length enters shares="auto"
         super().__init__(model, x_loss, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
-        self.problem, self.inputs, self.targets, self.sampler = problem, inputs, targets, sampler
+        self.problem, self.records, self.sampler = problem, records, sampler
         # None where the algorithm takes no noisy ascent step (PrivateDiff with y_release="output")
         self.lr_y = None if lr_y is None else float(lr_y)
         self.clip_y = None if clip_y is None else float(clip_y)
@@ -233,7 +231,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             raise ValueError(f"y0: expected shape ({d},), got {tuple(start.shape)}")
         self.y = problem.project(start.detach().clone()).contiguous()
         self._with_y = _WithY(model, self.y)
-        check_loss(self._with_y, x_loss, inputs, targets)
+        check_loss(self._with_y, x_loss, *records.probe(1))
         self.gradients = ClippedGradients(
             self._with_y,
             x_loss,
@@ -251,24 +249,26 @@ class MinimaxAlgorithm(PrivateAlgorithm):
     def _point(self, x: Sequence[Tensor], y: Tensor) -> list[Tensor]:
         return [*x, y]
 
-    def _x_sum(self, batch: Tensor, clip: float) -> int:
+    def _x_sum(self, batch: Batch, clip: float) -> int:
         """``self._sum = sum_i clip_C(grad_x f(x, y; z_i))`` at the current ``(x, y)``."""
         for s in self._sum:
             s.zero_()
+        inputs, targets = batch
         return self.gradients.sum(
-            self.inputs[batch],
-            self.targets[batch],
+            inputs,
+            targets,
             clip,
             [*self._sum, self._y_scratch],
             point=self._point([p.detach() for p in self.params], self.y),
         )
 
     # ---- the y-step -------------------------------------------------------------------------------------
-    def _y_gradient(self, batch: Tensor) -> int:
+    def _y_gradient(self, batch: Batch) -> int:
         """``self._y_sum = sum_i clip_{C0}(grad_y f(x, y; z_i))`` at the current ``(x, y)``."""
+        inputs, targets = batch
         with torch.no_grad():
-            outputs = self.model(self.inputs[batch])
-        grads = self.problem.y_grads(outputs, self.targets[batch], self.y)
+            outputs = self.model(inputs)
+        grads = self.problem.y_grads(outputs, targets, self.y)
         self._y_sum.zero_()
         return int(ops.clip_accumulate([grads], self.clip_y, [self._y_sum], nonfinite=self.nonfinite))
 
@@ -281,11 +281,22 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         )  # fmt: skip
         self.y.copy_(self.problem.project(self.y))
 
-    def _draw(self) -> Tensor:
-        return batch_rows(self.sampler.draw(), self.inputs.device)
+    def _draw(self) -> Batch:
+        """The records of the sampler's next batch, ``(inputs, targets)``."""
+        return self.records.draw(self.sampler)
 
-    def _data(self) -> list[Tensor]:
-        return [self.inputs, self.targets]
+    @property
+    def inputs(self) -> Tensor:
+        """The inputs tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
+        return self.records.inputs
+
+    @property
+    def targets(self) -> Tensor:
+        """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
+        return self.records.targets
+
+    def _data(self) -> str:
+        return self.records.fingerprint()
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def _buffers(self) -> dict[str, list[Tensor]]:
@@ -326,8 +337,8 @@ class DPSGDA(MinimaxAlgorithm):
         self,
         model: nn.Module,
         problem: MinimaxProblem,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Tensor | Records,
+        targets: Tensor | None = None,
         *,
         lr: float | None = None,
         lr_y: float,
@@ -344,11 +355,12 @@ class DPSGDA(MinimaxAlgorithm):
         lr = step_size(lr, optimizer)
         clip = stream_clips(clip, ("x", "y"))
         self._units = {"y": clip["y"] / clip["x"]}  # shares="auto": y's noise is relative to C2, x's to C1
-        n = len(inputs)
+        records = as_records(inputs, targets)
+        n = len(records)
         plan = events.DPSGDAPlan(n, n if sampling == "full" else batch_size, steps, sampling)
         sampler = BatchSampler.for_stream(plan, "x", n, runtime.sampler_seed)  # x and y share its batch
         super().__init__(
-            model, problem, inputs, targets, plan=plan, sampler=sampler, lr_y=lr_y, clip_y=clip["y"], y0=y0,
+            model, problem, records, plan=plan, sampler=sampler, lr_y=lr_y, clip_y=clip["y"], y0=y0,
             noise=noise, privacy=privacy, runtime=runtime,
         )
         self.clip, self.lr, self.steps, self.optimizer = clip, lr, int(steps), optimizer
@@ -466,8 +478,8 @@ class PrivateDiff(MinimaxAlgorithm):
         self,
         model: nn.Module,
         problem: MinimaxProblem,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Tensor | Records,
+        targets: Tensor | None = None,
         *,
         lr: float | None = None,
         lr_y: float | None = None,
@@ -494,7 +506,8 @@ class PrivateDiff(MinimaxAlgorithm):
             clip, ("checkpoint", "difference") if output else ("checkpoint", "difference", "y"),
             pairs=("difference",),
         )  # fmt: skip
-        n = len(inputs)
+        records = as_records(inputs, targets)
+        n = len(records)
         if output:
             self.y_constants = problem.y_sensitivity()  # refuses a problem without public constants
             stability = self.y_constants.stability(n)
@@ -526,7 +539,7 @@ class PrivateDiff(MinimaxAlgorithm):
         # One sampler for the sampled streams: they draw at the same rate, each release its own batch.
         sampler = BatchSampler.for_stream(plan, "checkpoint", n, runtime.sampler_seed)
         super().__init__(
-            model, problem, inputs, targets, plan=plan, sampler=sampler, lr_y=lr_y,
+            model, problem, records, plan=plan, sampler=sampler, lr_y=lr_y,
             clip_y=None if output else clip["y"], y0=y0, noise=noise, privacy=privacy, runtime=runtime,
         )  # fmt: skip
         self.clip, self.y_release = clip, y_release
@@ -571,9 +584,10 @@ class PrivateDiff(MinimaxAlgorithm):
             if checkpoint:
                 dropped += self._x_sum(batch, radius)
             elif radius > 0:  # a zero radius (x did not move, no offset) clips every difference to 0
+                inputs, targets = batch
                 dropped += self.gradients.diff_sum(
-                    self.inputs[batch],
-                    self.targets[batch],
+                    inputs,
+                    targets,
                     self._point(self.x.point(), self.y),
                     self._point(self.x.previous, self._y_prev),
                     radius,
@@ -603,20 +617,25 @@ class PrivateDiff(MinimaxAlgorithm):
         self.y.copy_(self.problem.project(self._y_v))
         return dropped
 
-    def _outputs(self) -> tuple[Tensor, int]:
+    def _outputs(self) -> tuple[Tensor, Tensor, int]:
         """Every training record's model output at the current ``x`` (float64, through the problem's
-        ``bounded_outputs``) and how many had a non-finite value."""
+        ``bounded_outputs``), every record's target, and how many records had a non-finite output."""
+        outputs, targets = [], []
         with torch.no_grad():
-            outputs = torch.cat([self.model(chunk) for chunk in self.inputs.split(_OUTPUT_CHUNK)]).double()
-        dropped = int((~torch.isfinite(outputs.reshape(len(outputs), -1))).any(dim=1).sum())
+            for inputs, chunk_targets in self.records.chunks(_OUTPUT_CHUNK):
+                outputs.append(self.model(inputs))
+                targets.append(chunk_targets)
+        output = torch.cat(outputs).double()
+        dropped = int((~torch.isfinite(output.reshape(len(output), -1))).any(dim=1).sum())
         if dropped and self.nonfinite == "raise":
             raise ops.NonFiniteError(f"{self.name}: {dropped} records have non-finite model outputs")
-        return self.problem.bounded_outputs(outputs), dropped
+        target = targets[0] if len(targets) == 1 else torch.cat(targets)
+        return self.problem.bounded_outputs(output), target, dropped
 
-    def _mean_y_grad(self, outputs: Tensor, y: Tensor) -> Tensor:
+    def _mean_y_grad(self, outputs: Tensor, targets: Tensor, y: Tensor) -> Tensor:
         """``grad F(y)`` over every record, summed by :func:`_pairwise_sum` (within
         :attr:`YRounding.gradient_error` of the exact value when the problem's constants hold)."""
-        grads = self.problem.y_grads(outputs, self.targets, y)
+        grads = self.problem.y_grads(outputs, targets, y)
         if not bool(torch.isfinite(grads).all()):
             raise RuntimeError(
                 f"{type(self.problem).__name__}.bounded_outputs leaves non-finite y-gradients: its "
@@ -634,14 +653,14 @@ class PrivateDiff(MinimaxAlgorithm):
         """``y_hat`` within ``y_tolerance`` of ``argmax_Y F`` at the current ``x``, certified (see the class
         documentation), in ``y``'s dtype; and the number of records with non-finite outputs. Unnoised: a
         value of the private data, never to be released as it is."""
-        outputs, dropped = self._outputs()
+        outputs, targets, dropped = self._outputs()
         rounding = self.y_rounding  # public: depends on n, the problem's constants, lr_y and y's dtype
         mu, step = self.y_constants.strong_concavity, self.lr_y
         y = self.y.double()  # the warm start y_r is public
-        g = self._mean_y_grad(outputs, y)
+        g = self._mean_y_grad(outputs, targets, y)
         for _ in range(self.y_steps):
             y_next = self.problem.project(y + step * g)
-            g_next = self._mean_y_grad(outputs, y_next)
+            g_next = self._mean_y_grad(outputs, targets, y_next)
             y_hat = y_next.to(self.y.dtype)
             measured = (float((y_next - y).norm()) / step + float((g_next - g).norm())) / mu + float(
                 (y_hat.double() - y_next).norm()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,14 @@ class BatchSampler:
     record is allocated to one of its steps uniformly at random, independently of the others, and step ``j``
     draws the records allocated to it (the batch size varies; ``batch_size`` becomes the public normaliser
     ``round(n / t)``).
+
+    Drawing ahead: :meth:`draw_ahead` draws the next index set now and keeps it *pending* (:attr:`pending`)
+    until :meth:`draw` returns it, so that a loader can prefetch the records of batches the algorithm has not
+    consumed yet. The sequence of index sets :meth:`draw` returns is the same with or without drawing ahead
+    (each draw depends only on this sampler's state), and the pending draws are part of :meth:`state_dict`: a
+    resumed run consumes them first, so a checkpoint never skips or repeats a drawn batch. :attr:`generation`
+    changes whenever the state is replaced (:meth:`load_state_dict`, :meth:`restart`), telling a prefetching
+    loader that what it drew ahead is void.
     """
 
     def __init__(self, scheme: str, n: int, batch_size: int | None = None, seed: int | None = None) -> None:
@@ -85,6 +94,8 @@ class BatchSampler:
         )
         self._position = 0
         self._allocation: np.ndarray | None = None  # random allocation: each record's step in this epoch
+        self._pending: deque[np.ndarray] = deque()  # drawn ahead, not yet consumed (oldest first)
+        self.generation = 0  # bumped whenever the state is replaced
 
     @classmethod
     def for_stream(cls, plan: Plan, stream: str, dataset_size: int, seed: int | None = None) -> BatchSampler:
@@ -130,7 +141,24 @@ class BatchSampler:
             return 1 / self.steps_per_epoch
         return self.batch_size / self.n
 
+    @property
+    def pending(self) -> deque[np.ndarray]:
+        """The index sets drawn ahead and not yet consumed, oldest first (read-only for callers)."""
+        return self._pending
+
     def draw(self) -> np.ndarray:
+        """The next index set (sorted for the sampled schemes): the oldest pending one, else a new draw."""
+        if self._pending:
+            return self._pending.popleft()
+        return self._next()
+
+    def draw_ahead(self) -> np.ndarray:
+        """Draws the next index set not yet pending and keeps it pending (see the class documentation)."""
+        indices = self._next()
+        self._pending.append(indices)
+        return indices
+
+    def _next(self) -> np.ndarray:
         if self.scheme == "full":
             return np.arange(self.n)
         if self.scheme == "poisson":
@@ -157,13 +185,21 @@ class BatchSampler:
         )
         if self.scheme == "random-allocation":
             self._position, self._allocation = 0, None
+        self._pending.clear()  # drawn by the discarded branch: a re-run draws afresh
+        self.generation += 1
 
     def state_dict(self) -> dict[str, Any]:
         allocation = None if self._allocation is None else self._allocation.tolist()
-        return {"rng": self._rng.bit_generator.state, "position": self._position, "allocation": allocation}
+        state = {"rng": self._rng.bit_generator.state, "position": self._position, "allocation": allocation}
+        if self._pending:  # drawn ahead, not consumed: the resumed run consumes them first
+            state["pending"] = [p.tolist() for p in self._pending]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        pending = deque(np.asarray(p, dtype=np.int64) for p in state.get("pending", ()))
         self._rng.bit_generator.state = state["rng"]
         self._position = int(state["position"])
         allocation = state.get("allocation")
         self._allocation = None if allocation is None else np.asarray(allocation, dtype=np.int64)
+        self._pending = pending
+        self.generation += 1

@@ -37,31 +37,30 @@ from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, release
 from .gradients import ClippedGradients, check_loss, finite_records
-from .sampling import BatchSampler, batch_rows
+from .records import Batch, Records, as_records
+from .sampling import BatchSampler
 
 
 class _Spider(PrivateAlgorithm):
     """What both algorithms share: data, one sampler per stream, per-sample losses and clipped sums at
     iterates, the noisy estimator update of one stream, and the previous iterate ``x_{t-1}``."""
 
+
     def __init__(
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        records: Records,
         *,
         plan: events._SpiderPlan,
         noise: Mapping[str, float] | None,
         privacy: PrivacyConfig,
         runtime: RuntimeConfig,
     ) -> None:
-        if len(inputs) != len(targets):
-            raise ValueError(f"targets: {len(targets)} rows for {len(inputs)} inputs")
-        check_loss(model, loss_fn, inputs, targets)
+        check_loss(model, loss_fn, *records.probe(1))
         super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
-        self.inputs, self.targets = inputs, targets
-        n = len(inputs)
+        self.records = records
+        n = len(records)
         # One sampler per stream, keyed by name and sized by the plan's own per-stream batch size: what a
         # stream draws is what its releases are charged for.
         self.samplers = {
@@ -74,21 +73,33 @@ class _Spider(PrivateAlgorithm):
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self.x = Iterate(self.params)  # x_t and x_{t-1}
 
-    def _data(self) -> list[Tensor]:
-        return [self.inputs, self.targets]
+    @property
+    def inputs(self) -> Tensor:
+        """The inputs tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
+        return self.records.inputs
 
-    def _draw(self, stream: str) -> Tensor:
-        return batch_rows(self.samplers[stream].draw(), self.inputs.device)
+    @property
+    def targets(self) -> Tensor:
+        """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
+        return self.records.targets
 
-    def _losses(self, point: Sequence[Tensor], batch: Tensor) -> Tensor:
+    def _data(self) -> str:
+        return self.records.fingerprint()
+
+    def _draw(self, stream: str) -> Batch:
+        """The records of ``stream``'s next batch, ``(inputs, targets)``."""
+        return self.records.draw(self.samplers[stream])
+
+    def _losses(self, point: Sequence[Tensor], batch: Batch) -> Tensor:
         """Per-sample losses at the parameter values ``point`` (no gradient)."""
+        inputs, targets = batch
         with torch.no_grad():
-            outputs = functional_call(self.model, dict(zip(self.param_names, point)), (self.inputs[batch],))
-            return vmap(self.loss_fn)(outputs, self.targets[batch])
+            outputs = functional_call(self.model, dict(zip(self.param_names, point)), (inputs,))
+            return vmap(self.loss_fn)(outputs, targets)
 
     def _vector_sum(
         self,
-        batch: Tensor,
+        batch: Batch,
         radius: float,
         weights: Tensor,
         previous: Sequence[Tensor] | None = None,
@@ -102,11 +113,11 @@ class _Spider(PrivateAlgorithm):
         if radius == 0:
             return 0
         dtype = self.params[0].dtype
-        x, t, w = self.x.point(), self.targets[batch], weights.to(dtype)
+        (inputs, t), x, w = batch, self.x.point(), weights.to(dtype)
         if previous is None:
-            return self.gradients.sum(self.inputs[batch], t, radius, self._sum, point=x, weights=w)
+            return self.gradients.sum(inputs, t, radius, self._sum, point=x, weights=w)
         return self.gradients.diff_sum(
-            self.inputs[batch], t, x, previous, radius, self._sum, a=w, b=previous_weights.to(dtype)
+            inputs, t, x, previous, radius, self._sum, a=w, b=previous_weights.to(dtype)
         )
 
     def _scalar_sum(self, values: Tensor, radius: float, out: Tensor) -> int:
@@ -194,8 +205,8 @@ class DoubleSpider(_Spider):
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Tensor | Records,
+        targets: Tensor | None = None,
         *,
         divergence: Divergence,
         lam: float,
@@ -221,10 +232,9 @@ class DoubleSpider(_Spider):
         for stream in differences:
             if not min(clip[stream]) > 0:  # a zero coefficient leaves a moving point's difference unclipped
                 raise ValueError(f"clip[{stream!r}]: both coefficients must be > 0, got {clip[stream]}")
-        plan = events.DoubleSpiderPlan(len(inputs), steps, restart, _batch_sizes(batch_sizes), sampling)
-        super().__init__(
-            model, loss_fn, inputs, targets, plan=plan, noise=noise, privacy=privacy, runtime=runtime
-        )
+        records = as_records(inputs, targets)
+        plan = events.DoubleSpiderPlan(len(records), steps, restart, _batch_sizes(batch_sizes), sampling)
+        super().__init__(model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
         self.divergence, self.lam, self.restart, self.clip = divergence, float(lam), int(restart), clip
         self.lr, self.lr_eta, self.max_move = float(lr), float(lr_eta), float(max_move)
         # Difference radii capped at twice the refresh radius (not in the paper: noise cannot feed on itself).
@@ -341,8 +351,8 @@ class RecursiveSpider(_Spider):
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        inputs: Tensor,
-        targets: Tensor,
+        inputs: Tensor | Records,
+        targets: Tensor | None = None,
         *,
         rho: float,
         lam0: float,
@@ -370,10 +380,9 @@ class RecursiveSpider(_Spider):
         if not lam_init >= lam0:
             raise ValueError(f"lam_init: must be >= lam0 = {lam0}, got {lam_init}")
         clip = stream_clips(clip, ("v-refresh", "v-difference", "u-refresh", "u-difference", "s"))
-        plan = events.RecursiveSpiderPlan(len(inputs), steps, restart, _batch_sizes(batch_sizes), sampling)
-        super().__init__(
-            model, loss_fn, inputs, targets, plan=plan, noise=noise, privacy=privacy, runtime=runtime
-        )
+        records = as_records(inputs, targets)
+        plan = events.RecursiveSpiderPlan(len(records), steps, restart, _batch_sizes(batch_sizes), sampling)
+        super().__init__(model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
         self.rho, self.lam0, self.restart, self.clip = float(rho), float(lam0), int(restart), clip
         self.lr, self.lr_lam, self.beta, self.bound = float(lr), float(lr_lam), float(beta), float(loss_bound)
         self.s_floor = float(s_floor)

@@ -1,7 +1,7 @@
 """The PyTorch front door: ``make_private(module, criterion, data, algorithm=..., epsilon=...)``."""
 
 from .collate import pad_collate, recordwise
-from .data import dataset_tensors
+from .data import dataset_records
 from .losses import check_separable, per_sample
 from .trainer import ALGORITHMS, PrivateTrainer, make_private
 from .validation import Finding, fix, validate
@@ -11,7 +11,7 @@ __all__ = [
     "Finding",
     "PrivateTrainer",
     "check_separable",
-    "dataset_tensors",
+    "dataset_records",
     "fix",
     "make_private",
     "pad_collate",

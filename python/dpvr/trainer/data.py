@@ -1,8 +1,16 @@
-"""A user's ``Dataset`` or ``DataLoader`` as the in-memory tensors dpvr's samplers index.
+"""A user's ``Dataset`` or ``DataLoader`` as the records dpvr's samplers draw from.
 
 dpvr draws every batch itself, from the scheme its accountant prices (Poisson, fixed-size without
-replacement, full batch, cyclic), so a ``DataLoader``'s own sampler, shuffling and batch size are not used:
-only its dataset and its ``collate_fn``. That replacement is announced once with a warning.
+replacement, random allocation, cyclic, full batch), so a ``DataLoader``'s own sampler, shuffling, batch size
+and ``drop_last`` are not used: its dataset, its ``collate_fn`` and its loading options (workers, pinned
+memory, prefetching, worker init function, generator) are. That replacement is announced once with a
+warning.
+
+:func:`dataset_records` reads no more than a fixed handful of records at set-up: each step then loads exactly
+the records drawn (:class:`~dpvr.optim.records.DatasetRecords`), so random augmentations in ``__getitem__``
+are fresh at every access, datasets larger than memory work and ``collate_fn`` runs per batch. A plain
+``TensorDataset`` (with the default collate) is already in memory: its tensors are indexed directly
+(:class:`~dpvr.optim.records.TensorRecords`), as fast as before and with DIFF2's full-batch recording reuse.
 """
 
 from __future__ import annotations
@@ -11,28 +19,47 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
-_CHUNK = 1024  # records collated at a time while loading
+from ..optim.records import DatasetRecords, Records, TensorRecords
 
 
-def dataset_tensors(
-    data: Dataset | DataLoader, dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` holding every record of ``data``, in index order.
+def dataset_records(
+    data: Dataset | DataLoader | Records,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    *,
+    cache_full: bool = False,
+    fingerprint: str | None = None,
+    stacklevel: int = 3,
+) -> Records:
+    """The records of ``data`` for an algorithm of :mod:`dpvr.optim`, loaded on ``device`` with floating-point
+    tensors cast to ``dtype`` (the model's, so that a float64 dataset does not meet a float32 model).
 
-    Each record must collate to an ``(input, target)`` pair of tensors. Floating-point inputs are cast to
-    ``dtype`` (the model's), so that a float64 dataset does not meet a float32 model."""
+    - a :class:`~dpvr.optim.records.Records`: as it is;
+    - a ``TensorDataset`` of two tensors, with the default collate: :class:`~dpvr.optim.records.TensorRecords`
+      over its tensors (moved to ``device``; cast per batch);
+    - any other map-style ``Dataset``, or a ``DataLoader`` of one:
+      :class:`~dpvr.optim.records.DatasetRecords`, with the loader's ``collate_fn`` and loading options;
+      ``cache_full`` and ``fingerprint`` are passed to it (see there).
+
+    Each record must collate to an ``(input, target)`` pair of tensors (checked on the first records);
+    an iterable dataset and an empty one are refused. ``stacklevel``: of the warning that a ``DataLoader``'s
+    sampler is replaced, for the caller (3: the caller of the function calling this one)."""
+    if isinstance(data, Records):
+        return data
     collate: Any = default_collate
+    loader: DataLoader | None = None
     if isinstance(data, DataLoader):
-        collate = data.collate_fn
         warnings.warn(
             "make_private: dpvr samples batches itself (the scheme its accountant prices), so the "
-            "DataLoader's sampler, batch size and shuffling are replaced; its dataset and collate_fn stay",
-            stacklevel=3,
+            "DataLoader's sampler and shuffling are replaced (its batch size becomes the expected batch "
+            "size unless batch_size= is given); its dataset, collate_fn and loading options (workers, "
+            "pinned memory, prefetching) stay",
+            stacklevel=stacklevel,
         )
-        data = data.dataset
+        loader, collate, data = data, data.collate_fn, data.dataset
     if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
         raise TypeError(
             "data: a map-style Dataset (with __len__ and __getitem__) is required; an iterable dataset has "
@@ -40,18 +67,11 @@ def dataset_tensors(
         )
     if len(data) == 0:
         raise ValueError("data: the dataset is empty")
-    inputs, targets = [], []
-    for batch in DataLoader(data, batch_size=_CHUNK, shuffle=False, collate_fn=collate):
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(
-                f"data: each record must be an (input, target) pair, got a batch of {type(batch).__name__}"
-            )
-        x, y = (torch.as_tensor(t) for t in batch)
-        inputs.append(x)
-        targets.append(y)
-    x, y = torch.cat(inputs), torch.cat(targets)
-    if dtype is not None and x.is_floating_point():
-        x = x.to(dtype)
-    if dtype is not None and y.is_floating_point():
-        y = y.to(dtype)
-    return x, y
+    if type(data) is TensorDataset and len(data.tensors) == 2 and collate is default_collate:
+        x, y = (t if device is None else t.to(device) for t in data.tensors)
+        return TensorRecords(x, y, dtype=dtype)
+    options: dict[str, Any] = {"dtype": dtype, "device": device, "cache_full": cache_full,
+                               "fingerprint": fingerprint}
+    if loader is not None:
+        return DatasetRecords.from_loader(loader, **options)
+    return DatasetRecords(data, collate, **options)

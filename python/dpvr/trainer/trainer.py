@@ -1,10 +1,12 @@
 """``make_private``: a PyTorch model, loss and dataset in; a private trainer out.
 
 The trainer is a thin layer over one of dpvr's algorithms (:mod:`dpvr.optim`): it turns the user's batched
-criterion into the per-record loss the algorithms clip, the user's ``Dataset``/``DataLoader`` into the tensors
-their accountant-aware samplers index, ``epochs`` into steps, and ``epsilon``/``delta`` into a
-:class:`~dpvr.optim.PrivacyConfig`. Everything that decides what is released stays in the algorithm, so the
-trainer's guarantee is the algorithm's, stated in its class documentation.
+criterion into the per-record loss the algorithms clip, the user's ``Dataset``/``DataLoader`` into the
+records their accountant-aware samplers draw (loaded batch by batch: :mod:`dpvr.trainer.data`), ``epochs``
+into steps, and ``epsilon``/``delta`` into a :class:`~dpvr.optim.PrivacyConfig`. Before anything runs it
+checks, on a copy of the model, that records stay independent (:mod:`dpvr.trainer.checks`). Everything that
+decides what is released stays in the algorithm, so the trainer's guarantee is the algorithm's, stated in its
+class documentation.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..privacy import PrivacyReport
 from ..problems import MinimaxProblem
 from .checks import PROBE, check_model
 from .collate import check_collate
-from .data import dataset_tensors
+from .data import dataset_records
 from .losses import check_separable, per_sample
 
 
@@ -132,8 +134,9 @@ def make_private(
             check_collate(shard.collate_fn, shard.dataset)
     if batch_size is None and sampled and isinstance(shards[0], DataLoader):
         batch_size = shards[0].batch_size  # the (expected) batch size the user already chose
-    tensors = [tuple(t.to(device) for t in dataset_tensors(d, dtype)) for d in shards]
-    n = min(len(x) for x, _ in tensors)
+    # Nothing of the data's size is read or held here: each step loads the records its sampler draws.
+    records = [dataset_records(d, dtype, device) for d in shards]
+    n = min(len(r) for r in records)
     per_stream = layout == "per-stream"
     if sampled:
         settings["batch_size"] = batch_size
@@ -141,7 +144,7 @@ def make_private(
         settings["optimizer"] = optimizer
     _check_settings(spec, cls, n, settings, batch_size=batch_size, epochs=epochs, steps=steps)
     runtime = runtime or RuntimeConfig()
-    probe = [t[:PROBE] for t in tensors[0]]
+    probe = list(records[0].probe(PROBE))
     loss = criterion if minimax else per_sample(criterion)
     # On a copy of the model, before anything runs on the user's own (its forward could write into it).
     grad_mode = check_model(module, *probe, None if minimax else loss, grad_mode=runtime.grad_mode)
@@ -162,10 +165,8 @@ def make_private(
         "runtime": runtime,
         **settings,
     }
-    if spec.federated:  # one client per dataset given
-        private: PrivateAlgorithm = cls(module, loss, [tuple(t) for t in tensors], **arguments)
-    else:
-        private = cls(module, loss, *tensors[0], **arguments)
+    # One client per dataset given to a federated algorithm.
+    private: PrivateAlgorithm = cls(module, loss, records if spec.federated else records[0], **arguments)
     return PrivateTrainer(private, steps_per_epoch=per_epoch)
 
 
