@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dpvr.grads import per_sample_grads, per_sample_grads_at_two_points, trainable_parameters
 from dpvr.grads.materialized import _chunk_size
+from dpvr.optim.gradients import ClippedGradients
 
 BATCH = 10
 
@@ -281,3 +282,31 @@ def test_chunk_size_from_memory_budget() -> None:
     assert _chunk_size(100, 400, None, 100) == 1  # never below one sample
     assert _chunk_size(100, 400, 7, 4000) == 7  # the smaller limit wins
     assert _chunk_size(5, 400, 7, None) == 5
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialised"])
+def test_micro_batches_give_the_batchs_clipped_sums_and_norms(mode) -> None:
+    """``chunk_size`` (the physical batch) in every mode: the clipped sums and differences over micro-batches
+    are the batch's, to the rounding of the float additions, and the norms are the same numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(23, 6, dtype=torch.float64), torch.randint(0, 3, (23,))
+
+    def loss(output, target):
+        return nn.functional.cross_entropy(output, target)
+
+    point = [p.detach() for p in model.parameters()]
+    previous = [p + 0.05 * torch.randn_like(p) for p in point]
+    results = []
+    for chunk in (None, 5):
+        engine = ClippedGradients(model, loss, mode=mode, chunk_size=chunk)
+        sums = [torch.zeros(p.numel(), dtype=torch.float64) for p in point]
+        diffs = [torch.zeros(p.numel(), dtype=torch.float64) for p in point]
+        norms = torch.zeros(23, dtype=torch.float64)
+        engine.sum(x, y, 0.3, sums, norms=norms, weights=torch.linspace(0.5, 1.5, 23, dtype=torch.float64))
+        engine.diff_sum(x, y, point, previous, 0.01, diffs)
+        results.append((sums, diffs, norms))
+    (sums, diffs, norms), (chunked_sums, chunked_diffs, chunked_norms) = results
+    torch.testing.assert_close(chunked_norms, norms, rtol=1e-13, atol=0)
+    for a, b in zip(sums + diffs, chunked_sums + chunked_diffs):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)

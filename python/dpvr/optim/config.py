@@ -68,7 +68,10 @@ class RuntimeConfig:
 
     - ``grad_mode``: ``"auto"`` (ghost clipping where the model allows, materialised per-sample gradients for
       the rest), ``"ghost"`` or ``"materialised"``;
-    - ``chunk_size``: per-sample gradients are materialised this many samples at a time (memory bound);
+    - ``chunk_size``: the physical batch: every clipped sum is formed this many records at a time, in every
+      gradient mode (ghost included), so that a step's peak memory is a micro-batch's whatever the logical
+      (accounted) batch; the clipped sums add up over micro-batches and each logical step is still one
+      release;
     - ``generator``: the noise source (:class:`~dpvr.NoiseGenerator`); default: seeded from the operating
       system. The algorithm binds it to its run, so give each algorithm its own;
     - ``sampler_seed``: fixes the batch sampling for reproducibility; default: seeded from the operating

@@ -109,6 +109,11 @@ class ClippedGradients:
     clipped sums are formed in the parameters' dtype, so ``out`` accumulates in float32 and the clip bound
     holds as in full precision.
 
+    ``chunk_size``: records per micro-batch (the physical batch) in every mode; the clipped sums of the
+    micro-batches add up to the batch's. Under ``nonfinite="raise"`` the error then stops the sum at the
+    first micro-batch with such a record, after the earlier ones were added to ``out`` (the algorithms
+    release nothing from a sum that raised).
+
     ``reuse_recording`` (ghost and mixed modes): keep the latest point's recording and use it again when a
     later sum asks for the same records at the same point (see :class:`dpvr.grads.GhostClipper`), as a
     full-batch difference round does for the previous iterate.
@@ -150,8 +155,12 @@ class ClippedGradients:
         if len(inputs) == 0:
             return 0
         if self._ghost is not None:
-            result = self._ghost.clipped_sum(inputs, targets, clip, weights=weights, params=point)
-            return self._dropped(self._add(result.sums, result.norms, out, norms), len(inputs))
+            dropped = 0
+            for rows in self._micro_batches(len(inputs)):
+                result = self._ghost.clipped_sum(inputs[rows], targets[rows], clip, params=point,
+                                                 weights=None if weights is None else weights[rows])
+                dropped += self._add(result.sums, result.norms, out, None if norms is None else norms[rows])
+            return self._dropped(dropped, len(inputs))
         grads = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
         )
@@ -176,15 +185,30 @@ class ClippedGradients:
         if len(inputs) == 0:
             return 0
         if self._ghost is not None:
-            result = self._ghost.clipped_diff_sum(
-                inputs, targets, list(point), list(previous), clip, a=a, b=b
-            )
-            return self._dropped(self._add(result.sums, result.norms, out, None), len(inputs))
+            dropped = 0
+            for rows in self._micro_batches(len(inputs)):
+                result = self._ghost.clipped_diff_sum(
+                    inputs[rows], targets[rows], list(point), list(previous), clip,
+                    a=None if a is None else a[rows], b=None if b is None else b[rows],
+                )
+                dropped += self._add(result.sums, result.norms, out, None)
+            return self._dropped(dropped, len(inputs))
         now, before = per_sample_grads_at_two_points(
             self.model, self.loss_fn, inputs, targets, list(point), list(previous), chunk_size=self.chunk_size
         )
         count = ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b, nonfinite=self.nonfinite)
         return self._dropped(int(count), len(inputs))
+
+    def _micro_batches(self, batch: int) -> list[slice]:
+        """The rows of each micro-batch of a ghost sum: ``chunk_size`` records at a time, so that the recorded
+        activations and output gradients (the step's peak memory) are a micro-batch's. Each record's term is
+        clipped on its own, so the sum over micro-batches is the batch's clipped sum (up to the order of
+        float additions); a single micro-batch is the batch itself (the same tensors: recordings can be
+        reused)."""
+        size = self.chunk_size or batch
+        if size >= batch:
+            return [slice(None)]
+        return [slice(start, min(start + size, batch)) for start in range(0, batch, size)]
 
     def _dropped(self, count: int, batch: int) -> int:
         """``count``, after warning (once) when it is the whole batch: the counts are host integers
