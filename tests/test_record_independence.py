@@ -244,21 +244,51 @@ class _SequenceFirst(nn.Module):
         return self.head(torch.tanh(self.inner(x.transpose(0, 1))).mean(0))
 
 
-def test_a_sequence_first_layer_at_batch_size_equal_to_length_gives_wrong_norms_and_is_run_exactly() -> None:
+def test_a_sequence_first_layer_at_batch_size_equal_to_length_is_read_per_record() -> None:
+    """A shape check at one batch size would read a sequence-first layer's positions as records when the
+    batch is as long as the sequence (per-position gradients: sensitivity several times the bound); the
+    clipper learns each position-wise layer's batch dimension from two batch sizes instead."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(48, 8, 2, generator=g), torch.randint(0, 3, (48,), generator=g))
     x, y = data.tensors
     model = _SequenceFirst()
     truth = _alone_norms(model, CE, x[:8], y[:8])
-    ghost = _norms(model, CE, x[:8], y[:8], "ghost")  # batch 8 == length 8: the shape check passes
-    assert float(((ghost - truth).abs() / truth).max()) > 0.05  # per-position, not per-record, gradients
-    with pytest.raises(ValueError, match="not the records' gradients"):
-        dpvr.make_private(model, nn.CrossEntropyLoss(), data, runtime=dpvr.RuntimeConfig(grad_mode="ghost"),
-                          **COMMON)
-    with pytest.warns(UserWarning, match="materialised"):
-        trainer = dpvr.make_private(model, nn.CrossEntropyLoss(), data, **COMMON)
-    assert trainer.algorithm.gradients.mode == "materialised"
-    torch.testing.assert_close(_norms(model, CE, x[:8], y[:8], "materialised"), truth, rtol=1e-4, atol=1e-6)
+    ghost = _norms(model, CE, x[:8], y[:8], "ghost")  # batch 8 == length 8
+    torch.testing.assert_close(ghost, truth, rtol=1e-4, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer = dpvr.make_private(model, nn.CrossEntropyLoss(), data,
+                                    runtime=dpvr.RuntimeConfig(grad_mode="ghost"), **COMMON)
+    assert trainer.algorithm.gradients.mode == "ghost"
+
+
+def test_torchs_transformer_layer_in_its_default_sequence_first_layout_clips_per_record() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embedding = nn.Embedding(20, 8)
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # batch_first=False
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.layer(self.embedding(tokens.transpose(0, 1))).mean(0))
+
+    model = Encoder().double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (8, 8), generator=g), torch.randint(0, 3, (8,), generator=g)
+    loss = per_sample(nn.CrossEntropyLoss())
+    engine = ClippedGradients(model, loss, mode="ghost")
+    out = [torch.zeros(p.numel(), dtype=torch.float64) for p in model.parameters()]
+    norms = torch.zeros(8, dtype=torch.float64)
+    engine.sum(x, y, 1e30, out, norms=norms)
+    params = list(model.parameters())
+    alone = [torch.autograd.grad(loss(model(x[i : i + 1])[0], y[i]), params) for i in range(8)]
+    truth = torch.stack([torch.sqrt(sum(t.square().sum() for t in grads)) for grads in alone])
+    torch.testing.assert_close(norms, truth, rtol=1e-10, atol=0)
+    for k, total in enumerate(out):
+        expected = sum(grads[k] for grads in alone).reshape(-1)
+        torch.testing.assert_close(total, expected, rtol=1e-10, atol=1e-13)
 
 
 class _TiedHead(nn.Module):

@@ -48,6 +48,17 @@ def _batched(v: Any, batch: int) -> bool:
     return isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == batch
 
 
+class _LayoutUnknown(Exception):
+    """Raised inside a recording that needs the layers' batch dimensions learned first."""
+
+
+def _batch_first(v: Any, dim: int, batch: int) -> Any:
+    """``v`` with its dimension ``dim`` (of size ``batch``) moved to the front, if it has one."""
+    if isinstance(v, Tensor) and v.dim() > dim and v.shape[dim] == batch:
+        return v.movedim(dim, 0)
+    return v
+
+
 def _per_record(v: Any, batch: int) -> Any:
     return v.expand(batch, *v.shape[1:]) if isinstance(v, Tensor) else v
 
@@ -211,6 +222,7 @@ class GhostClipper:
         self._shared = {k for k in owners if owners.count(k) > 1}
         self.reuse_recording = bool(reuse_recording)
         self._kept: _Kept | None = None
+        self._batch_dims: dict[_Layer, int] | None = None  # learned at the first recording
 
     def _track(self, model: nn.Module) -> list[_Layer]:
         """The modules that own trainable parameters, each with its rule (the fallback when none applies)."""
@@ -368,6 +380,59 @@ class GhostClipper:
                 # one synchronisation on a device, not one per tensor
                 and not bool(torch.stack([(k != v).any() for k, v in zip(kept.point, values)]).any()))
 
+    def _batch_dim(self, layer: _Layer, output: Any, batch: int) -> int:
+        """The dimension at which a call of ``layer`` carries the batch: 0, or what :meth:`_learn_layout`
+        learned. Until it has run, a position-wise layer whose output does not show the batch at dimension 0
+        alone (a sequence as long as the batch, or a sequence-first layout) stops the recording to learn
+        it (:class:`_LayoutUnknown`)."""
+        if self._batch_dims is not None:
+            return self._batch_dims.get(layer, 0)
+        if (layer.rule.position_wise and type(output) is Tensor and output.dim() > 0
+                and not (output.shape[0] == batch and batch not in output.shape[1:])):
+            raise _LayoutUnknown
+        return 0
+
+    def _learn_layout(self, inputs: Tensor, values: list[Tensor]) -> dict[_Layer, int]:
+        """Where each position-wise layer (``GhostRule.position_wise``: Linear, LayerNorm, embeddings) reads
+        the batch: the one dimension of its outputs whose size follows the batch, found by running the model
+        on the batch and on the batch with one more record (no gradients). Only a layer that reads it away
+        from dimension 0 (a sequence-first layout, as in torch's transformer layers by default) is listed.
+        A sequence as long as the batch cannot fool this, where a shape check at one batch size would read
+        its positions as records. A layer whose outputs show no single such
+        dimension keeps dimension 0 (and the rule's shape check). Run once, by the first recording that
+        needs it (:meth:`_batch_dim`): a model whose layers all show the batch unambiguously never pays it."""
+        shapes: list[dict[_Layer, list[list[int]]]] = []
+        position_wise = [layer for layer in self._layers if layer.rule.position_wise]
+        if not position_wise:
+            return {}
+        for rows in (inputs, torch.cat([inputs, inputs[:1]])):
+            seen: dict[_Layer, list[list[int]]] = {layer: [] for layer in position_wise}
+
+            def hook_for(layer: _Layer, seen=seen):
+                def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                    if type(output) is Tensor:
+                        seen[layer].append(list(output.shape))
+                return hook
+
+            handles = [layer.module.register_forward_hook(hook_for(layer)) for layer in position_wise]
+            try:
+                with torch.no_grad():
+                    leaves = {name: v.detach() for (name, _), v in zip(self._named, values)}
+                    functional_call(self.model, leaves, (rows,))
+            finally:
+                for h in handles:
+                    h.remove()
+            shapes.append(seen)
+        dims: dict[_Layer, int] = {}
+        for layer in position_wise:
+            found = set()
+            for a, b in zip(shapes[0][layer], shapes[1][layer]):
+                differ = [d for d, (m, n) in enumerate(zip(a, b)) if m != n] if len(a) == len(b) else []
+                found.add(differ[0] if len(differ) == 1 and b[differ[0]] == a[differ[0]] + 1 else None)
+            if len(found) == 1 and (dim := found.pop()) not in (None, 0):
+                dims[layer] = dim
+        return dims
+
     def _run(self, inputs: Tensor, targets: Tensor, values: list[Tensor]) -> _Recording:
         """One forward and one backward pass at the parameter ``values``. The forward reads fresh leaves,
         never the model's own parameters: autocast caches its casts of those until its region ends, which
@@ -378,6 +443,7 @@ class GhostClipper:
         # held, so each is freed when the forward no longer needs it, as in an unrecorded pass.
         pending: list[tuple[LayerCall, int | str, Any, Callable[[], Tensor]]] = []
         exposed: dict[_Layer, dict[str, Tensor]] = {}  # internals of the call now running
+        moved: dict[int, int] = {}  # id(call) -> the batch dimension of its outputs, where not 0
 
         def forward_for(layer: _Layer, original: Any):
             def forward(*args: Any, **kwargs: Any) -> Any:
@@ -397,6 +463,9 @@ class GhostClipper:
                 if shared:  # one call serving every record (position ids): made a call per record
                     args, kwargs = tree_map(lambda v: _per_record(v, batch), (args, kwargs))
                     output = _per_record(output, batch)
+                dim = self._batch_dim(layer, output, batch)
+                if dim:  # a position-wise layer reading the batch at another dimension: recorded batch-first
+                    args, kwargs = tree_map(lambda v: _batch_first(v, dim, batch), (args, kwargs))
                 if not kwargs and all(type(v) is Tensor for v in args):  # the common call, without pytrees
                     flat = [v.detach() for v in args]
                     recorded = (tuple(_widened(v, self._dtype) for v in flat), {})
@@ -407,6 +476,8 @@ class GhostClipper:
                 outs = [output] if type(output) is Tensor else tree_flatten(output)[0]
                 call = LayerCall(*recorded, [None] * len(outs), local, batch,
                                  [(t, t._version) for t in flat if isinstance(t, Tensor)])
+                if dim:
+                    moved[id(call)] = dim
                 internals = exposed.pop(layer, {})
                 call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()
                                   if name in layer.rule.internal_values}
@@ -441,13 +512,22 @@ class GhostClipper:
                                      f"{tuple(losses.shape[1:])}")
                 grads = (torch.autograd.grad(losses.sum(), [e for _, _, e, _ in pending], allow_unused=True)
                          if pending and losses.requires_grad else [None] * len(pending))
+        except _LayoutUnknown:  # learned once, then recorded again
+            relearn = True
+        else:
+            relearn = False
         finally:
             for h in handles:
                 h.remove()
             for module in replaced:
                 del module.forward
+        if relearn:
+            self._batch_dims = self._learn_layout(inputs, values)
+            return self._run(inputs, targets, values)
         for (call, k, _, zeros), g in zip(pending, grads):
             g = _widened(zeros() if g is None else g, self._dtype)  # None: the loss ignores it
+            if id(call) in moved and isinstance(k, int):
+                g = _batch_first(g, moved[id(call)], batch)
             if isinstance(k, str):
                 call.internal_grads[k] = g
             else:

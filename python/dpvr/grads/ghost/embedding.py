@@ -31,6 +31,7 @@ class EmbeddingRule(GhostRule):
     """``nn.Embedding`` without ``max_norm`` (which renormalises the table in the forward) or
     ``scale_grad_by_freq`` (which couples the samples of a batch)."""
 
+    position_wise = True
     parameters = ("weight",)
 
     @classmethod

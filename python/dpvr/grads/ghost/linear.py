@@ -77,6 +77,8 @@ class LinearMapRule(GhostRule):
 class LinearRule(LinearMapRule):
     """``nn.Linear`` on ``(B, ..., p)`` inputs: every leading position is a step."""
 
+    position_wise = True
+
     def activations(self, x):
         return x.reshape(x.shape[0], -1, x.shape[-1])
 

@@ -45,6 +45,8 @@ class _TrailingShape(AffineNormRule):
 
 @register_ghost_rule(nn.LayerNorm)
 class LayerNormRule(_TrailingShape):
+    position_wise = True
+
     def normalised(self, x):
         return F.layer_norm(x, self.module.normalized_shape, None, None, self.module.eps)
 

@@ -259,7 +259,9 @@ class GhostRule:
     only (no host copies, no ``.item()``), so one rule serves the host and CUDA.
 
     Class attributes: ``parameters``: the parameter names the rule can handle (None: any); a module with a
-    trainable parameter outside them falls back to materialised gradients. ``owns_submodules``: the rule
+    trainable parameter outside them falls back to materialised gradients. ``position_wise``: the module
+    acts on every position of its input alike (Linear, LayerNorm, Embedding), so its calls may carry the batch
+    at any dimension; the clipper learns which and records them batch-first. ``owns_submodules``: the rule
     handles the parameters of the module's submodules too (the module reads them directly, as
     ``MultiheadAttention`` does ``out_proj``'s), which are then not tracked on their own.
     ``internal_values``: the internals exposed by :meth:`recording_forward` whose values (not only their
@@ -267,6 +269,7 @@ class GhostRule:
     """
 
     parameters: ClassVar[tuple[str, ...] | None] = ("weight", "bias")
+    position_wise: ClassVar[bool] = False
     owns_submodules: ClassVar[bool] = False
     internal_values: ClassVar[frozenset[str]] = frozenset()
 
