@@ -90,3 +90,15 @@ def test_ghost_steps_hold_little_beyond_a_non_private_step() -> None:
         peaks[name] = peak_bytes(fns[name])
     assert peaks["dpvr-dp-sgd-ghost"] <= 1.3 * peaks["non-private"]
     assert peaks["dpvr-fresh-diff-ghost"] <= 1.5 * peaks["non-private"]
+
+
+@pytest.mark.slow  # a benchmark run
+def test_the_memory_bench_times_each_method_at_each_physical_batch() -> None:
+    from dpvr.bench import memory
+
+    records = memory.run(case="mlp", logical=512, physicals=(128, 512), repeats=1)
+    assert {r.metrics.get("physical") for r in records if "skipped" not in r.metrics} == {128, 512}
+    dpvr_peaks = {r.metrics["physical"]: r.metrics["peak_mib"] for r in records
+                  if r.method == "dpvr-dp-sgd-ghost"}
+    assert dpvr_peaks[128] < dpvr_peaks[512]  # the micro-batch sets the peak
+    assert all(r.metrics["ms"] > 0 for r in records if "skipped" not in r.metrics)

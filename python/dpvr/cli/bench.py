@@ -11,10 +11,14 @@ from .flags import with_default
 def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "bench",
-        help="benchmark the kernels or a full DP step",
+        help="benchmark the kernels, a full DP step, or a step's memory against the physical batch",
         description="Time the fused kernels or a full DP step against their references and print the ratios.",
     )
-    p.add_argument("what", choices=["kernels", "step"], help="the fused kernels, or a full DP step")
+    p.add_argument(
+        "what",
+        choices=["kernels", "step", "memory"],
+        help="the fused kernels, a full DP step, or one logical step at each physical batch size",
+    )
     p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -37,6 +41,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"
+    )
+    p.add_argument(
+        "--logical", type=int, default=1024,
+        help=with_default("memory: the logical (accounted) batch; the case is --case, default cnn", 1024),
     )
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.add_argument("--plot", metavar="PNG", help="step: also plot the methods' ratios and targets to PNG")
@@ -69,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
         metrics.append("skipped")
         if args.plot:
             step.plot(records, args.plot)
+    elif args.what == "memory":
+        from ..bench import memory
+
+        physicals = [args.logical // k for k in (8, 4, 2, 1) if args.logical % k == 0]
+        records = memory.run(case="cnn" if args.case == "all" else args.case, logical=args.logical,
+                             physicals=physicals, repeats=args.repeats)
+        headers = ["case", "method", "ms", "peak MiB", "mem x logical", "note"]
+        metrics = ["ms", "peak_mib", "memory_vs_logical", "skipped"]
     else:
         from ..bench import kernels
 
