@@ -9,7 +9,7 @@ the model allows, materialised per-sample gradients and the fused kernels otherw
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -156,10 +156,9 @@ class ClippedGradients:
             return 0
         if self._ghost is not None:
             dropped = 0
-            for rows in self._micro_batches(len(inputs)):
-                result = self._ghost.clipped_sum(inputs[rows], targets[rows], clip, params=point,
-                                                 weights=None if weights is None else weights[rows])
-                dropped += self._add(result.sums, result.norms, out, None if norms is None else norms[rows])
+            for x, t, w, n in self._micro_batches(inputs, targets, weights, norms):
+                result = self._ghost.clipped_sum(x, t, clip, weights=w, params=point)
+                dropped += self._add(result.sums, result.norms, out, n)
             return self._dropped(dropped, len(inputs))
         grads = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
@@ -186,11 +185,9 @@ class ClippedGradients:
             return 0
         if self._ghost is not None:
             dropped = 0
-            for rows in self._micro_batches(len(inputs)):
-                result = self._ghost.clipped_diff_sum(
-                    inputs[rows], targets[rows], list(point), list(previous), clip,
-                    a=None if a is None else a[rows], b=None if b is None else b[rows],
-                )
+            for x, t, a_rows, b_rows in self._micro_batches(inputs, targets, a, b):
+                result = self._ghost.clipped_diff_sum(x, t, list(point), list(previous), clip, a=a_rows,
+                                                      b=b_rows)
                 dropped += self._add(result.sums, result.norms, out, None)
             return self._dropped(dropped, len(inputs))
         now, before = per_sample_grads_at_two_points(
@@ -199,16 +196,19 @@ class ClippedGradients:
         count = ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b, nonfinite=self.nonfinite)
         return self._dropped(int(count), len(inputs))
 
-    def _micro_batches(self, batch: int) -> list[slice]:
-        """The rows of each micro-batch of a ghost sum: ``chunk_size`` records at a time, so that the recorded
-        activations and output gradients (the step's peak memory) are a micro-batch's. Each record's term is
-        clipped on its own, so the sum over micro-batches is the batch's clipped sum (up to the order of
-        float additions); a single micro-batch is the batch itself (the same tensors: recordings can be
-        reused)."""
+    def _micro_batches(self, *rows: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, ...]]:
+        """``rows`` (per-record tensors, or None) a micro-batch at a time: ``chunk_size`` records, so that the
+        recorded activations and output gradients (the step's peak memory) are a micro-batch's. Each
+        record's term is clipped on its own, so the sum over micro-batches is the batch's clipped sum (up to
+        the order of float additions). A single micro-batch is the tensors themselves, not views of them: a
+        recording kept for reuse is recognised by its tensors."""
+        batch = len(rows[0])
         size = self.chunk_size or batch
         if size >= batch:
-            return [slice(None)]
-        return [slice(start, min(start + size, batch)) for start in range(0, batch, size)]
+            yield rows
+            return
+        for start in range(0, batch, size):
+            yield tuple(None if r is None else r[start : start + size] for r in rows)
 
     def _dropped(self, count: int, batch: int) -> int:
         """``count``, after warning (once) when it is the whole batch: the counts are host integers

@@ -387,8 +387,9 @@ class GhostClipper:
         it (:class:`_LayoutUnknown`)."""
         if self._batch_dims is not None:
             return self._batch_dims.get(layer, 0)
+        # The last dimension of a position-wise layer's output is its features, never the batch.
         if (layer.rule.position_wise and type(output) is Tensor and output.dim() > 0
-                and not (output.shape[0] == batch and batch not in output.shape[1:])):
+                and not (output.shape[0] == batch and batch not in output.shape[1:-1])):
             raise _LayoutUnknown
         return 0
 
