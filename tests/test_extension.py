@@ -106,12 +106,21 @@ class MomentumSGD(PrivateAlgorithm):
         privacy: PrivacyConfig = DEFAULT_PRIVACY,
         runtime: RuntimeConfig = DEFAULT_RUNTIME,
     ) -> None:
+        # What the run's binding records: every argument that shapes a release (the model, loss and data are
+        # bound on their own), as given; a checkpoint loads only into a run with the same settings.
+        settings = dict(
+            lr=lr, clip=clip, steps=steps, batch_size=batch_size, momentum=momentum, sampling=sampling,
+            noise=noise, privacy=privacy, runtime=runtime,
+        )  # fmt: skip
         records = as_records(inputs, targets)  # tensors, or a Dataset loaded per batch (the front door's)
         n = len(records)
         plan = MomentumPlan(n, batch_size, steps, sampling, privacy.neighbouring or REPLACE_ONE)
         self.sampler = BatchSampler.for_stream(plan, "gradient", n, runtime.sampler_seed)
         check_loss(model, loss_fn, *records.probe(1))
-        super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        super().__init__(
+            model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
+            data=records,  # hashed into the binding
+        )  # fmt: skip
         self.records = records
         self.lr, self.clip, self.momentum = float(lr), float(clip), float(momentum)
         self.gradients = ClippedGradients(
@@ -120,9 +129,6 @@ class MomentumSGD(PrivateAlgorithm):
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self.v = DifferenceEstimator(self.flat)
         self.velocity = [torch.zeros_like(f) for f in self.flat]
-
-    def _data(self) -> str:
-        return self.records.fingerprint()
 
     def _step(self) -> dict[str, float]:
         with self.releasing("gradient"):

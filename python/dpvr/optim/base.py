@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
-import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import dp_accounting as dpa
 import torch
 from torch import nn
 
@@ -25,35 +22,38 @@ from ..grads import trainable_parameters
 from ..ops import NoiseGenerator
 from ..persistence import read_checkpoint, write_checkpoint
 from ..privacy import Accountant, PrivacyReport, account
-from ..privacy.allocation import stream_dimensions
-from ..privacy.calibration import calibrate
+from ..privacy.allocation import HasYDim, stream_dimensions
 from ..privacy.events import PaperSigmas, Plan
-from ..privacy.mechanism import noise_dict
-from ..privacy.relations import tightest_accountant as tightest
 from ..problems import LossFn
 from .binding import bind_run, canonical, data_fingerprint, digest
 from .config import PrivacyConfig, RuntimeConfig, bound_fields
+from .guard import BudgetExhaustedError as BudgetExhaustedError  # re-exported
+from .guard import PrivacyGuard, resolve_noise, tightest_accountant
 from .ledger import Release, RunLedger
+from .records import Records, records_fingerprint
 from .sampling import BatchSampler
 
 STATE_FORMAT = 4
 
-# Constructor arguments bound otherwise: the objects fingerprinted on their own (model, loss, data) and the
-# two config groups, whose bound fields are recorded one by one (:func:`dpvr.optim.config.bound_fields`).
-_UNBOUND_ARGUMENTS = frozenset({"self", "model", "loss_fn", "problem", "inputs", "targets", "clients"})
+# Settings that are config groups, whose bound fields are recorded one by one
+# (:func:`dpvr.optim.config.bound_fields`).
 _CONFIGS = ("privacy", "runtime")
 
-
-class BudgetExhaustedError(RuntimeError):
-    """The next release would take the privacy loss above the budget; nothing was released."""
+PrivateData = str | Records | Sequence[Records] | Sequence[torch.Tensor]
 
 
 class PrivateAlgorithm:
     """Base of the DP algorithms (see the module documentation).
 
-    Subclasses set ``plan`` (the :mod:`dpvr.privacy.events` description of the run, whose ``steps`` are the
-    run's), ``noise`` (noise multiplier per stream), implement :meth:`_step` (the base :meth:`step` guards
-    the plan's length and counts the steps) and list their state tensors in :meth:`_buffers`.
+    Subclasses pass to ``__init__`` their ``plan`` (the :mod:`dpvr.privacy.events` description of the run,
+    whose ``steps`` are the run's), the ``noise`` they were given (resolved to one multiplier per stream by
+    :func:`~dpvr.optim.guard.resolve_noise`, with the public ``units`` and ``problem`` that
+    ``shares="auto"`` needs), their ``settings`` (explicitly: every constructor argument that shapes a
+    release, by name, the ``privacy`` and ``runtime`` groups included, as given; :meth:`binding` records
+    them) and their private ``data`` (records, hashed for the binding); they implement :meth:`_step` (the
+    base :meth:`step` guards the plan's length and counts the steps) and list their state tensors in
+    :meth:`_buffers`. The privacy side of the run (accountant, budget guard, run ledger) is a composed
+    :class:`~dpvr.optim.guard.PrivacyGuard` (``self.guard``).
 
     Every algorithm takes its own settings as keyword arguments named alike across algorithms (``lr``,
     ``steps``, ``restart``, ``batch_size``/``batch_sizes``, ``clip={stream: C}``), plus ``noise`` and the two
@@ -96,20 +96,19 @@ class PrivateAlgorithm:
 
     name = "private-algorithm"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "__init__" in cls.__dict__:
-            cls.__init__ = _recording_arguments(cls.__init__)
-
     def __init__(
         self,
         model: nn.Module,
         loss_fn: LossFn,
         *,
         plan: Plan,
-        noise: Mapping[str, float] | float | None,
+        noise: Mapping[str, float] | float | PaperSigmas | None,
         privacy: PrivacyConfig,
         runtime: RuntimeConfig,
+        settings: Mapping[str, Any],
+        data: PrivateData = (),
+        units: Mapping[str, float] | None = None,
+        problem: HasYDim | None = None,
     ) -> None:
         for name, config, kind in (("privacy", privacy, PrivacyConfig), ("runtime", runtime, RuntimeConfig)):
             if not isinstance(config, kind):
@@ -117,55 +116,54 @@ class PrivateAlgorithm:
         self.privacy, self.runtime = privacy, runtime
         self.nonfinite = runtime.nonfinite
         self.model, self.loss_fn, self.plan = model, loss_fn, plan
+        self.settings = dict(settings)
+        self._private_data = data
         self.param_names, self.params = map(list, zip(*trainable_parameters(model)))
         for name, p in zip(self.param_names, self.params):
             if not p.is_contiguous():
                 raise ValueError(f"parameter {name}: must be contiguous")
         self.flat = [p.detach().view(-1) for p in self.params]
+        count = sum(p.numel() for p in self.params)  # public, like the max block's length
+        dimensions = stream_dimensions(plan, count, problem) if privacy.shares == "auto" else None
+        self.noise = resolve_noise(plan, noise, privacy, dimensions=dimensions, units=units)
         epsilon, delta = privacy.epsilon, privacy.delta
         accountant = privacy.accountant or tightest_accountant(plan)
-        if noise is None:
-            if epsilon is None:
-                raise ValueError(
-                    "give noise={stream: noise multiplier}, or privacy=PrivacyConfig(epsilon=...) to "
-                    "calibrate it"
-                )
-            noise = calibrate(
-                plan,
-                epsilon,
-                delta,
-                accountant=accountant,
-                calibration=privacy.calibration,
-                shares=privacy.shares,
-                dimensions=(  # public: parameter counts and the max block's length
-                    stream_dimensions(plan, self._parameter_count(), getattr(self, "problem", None))
-                    if privacy.shares == "auto"
-                    else None
-                ),
-                units=self._noise_units() if privacy.shares == "auto" else None,
-                **(privacy.paper_options if privacy.calibration == "paper" else {}),
-            )
-        elif isinstance(noise, PaperSigmas):
-            noise = plan.noise_from_paper(noise)
-        elif isinstance(noise, Mapping):
-            noise = plan.streams_of_run(noise)
-        self.noise = noise_dict(plan.streams, noise)
-        self.accountant = Accountant(accountant, plan.neighbouring)
         mechanism = plan.mechanism(self.noise)
-        for assumption in mechanism.assumptions:
-            self.accountant.assume(assumption)
         # The planned run, priced once. While every stream has made no more releases than the plan counts, a
         # release is admitted without recomputing epsilon: the run so far is then a sub-run of the plan (a
         # post-processing of it), so it spends no more than the plan's bound, which is within the budget.
-        self._planned = {s.name: s.count for s in mechanism.streams}
-        self._released: dict[str, int] = {}
-        self._within_plan = epsilon is not None and (
-            account(mechanism, delta, accountant=accountant).epsilon <= epsilon
+        self.guard = PrivacyGuard(
+            Accountant(accountant, plan.neighbouring),
+            runtime.generator if runtime.generator is not None else NoiseGenerator(),
+            epsilon=epsilon,
+            delta=delta,
+            planned={s.name: s.count for s in mechanism.streams},
+            within_plan=epsilon is not None
+            and account(mechanism, delta, accountant=accountant).epsilon <= epsilon,
         )
-        self.generator = runtime.generator if runtime.generator is not None else NoiseGenerator()
+        for assumption in mechanism.assumptions:
+            self.accountant.assume(assumption)
         self.steps_done = 0
         self.optimizer: torch.optim.Optimizer | None = None  # set by algorithms that step with one
-        self.ledger = RunLedger()  # a reproducible run's is named after its settings in _bind_noise
+        # The generator's keys and the run's ledger, from the binding: complete here (settings, data).
+        self._bind_noise()
+
+    # The guard's parts, as attributes of the algorithm.
+    @property
+    def accountant(self) -> Accountant:
+        return self.guard.accountant
+
+    @property
+    def generator(self) -> NoiseGenerator:
+        return self.guard.generator
+
+    @generator.setter
+    def generator(self, generator: NoiseGenerator) -> None:
+        self.guard.generator = generator
+
+    @property
+    def ledger(self) -> RunLedger:
+        return self.guard.ledger
 
     @property
     def epsilon_budget(self) -> float | None:
@@ -179,7 +177,12 @@ class PrivateAlgorithm:
     # ---- binding -------------------------------------------------------------------------------------
     def _data(self) -> Sequence[torch.Tensor] | str:
         """The private data (tensors, hashed for the binding), or a fingerprint of it."""
-        return []
+        data = self._private_data
+        if isinstance(data, (str, Records)):
+            return data if isinstance(data, str) else data.fingerprint()
+        if data and all(isinstance(d, Records) for d in data):
+            return records_fingerprint(list(data))
+        return list(data)
 
     def binding(self, *, data: bool = True) -> dict[str, Any]:
         """Every setting that shapes what this run releases, as a flat dictionary of canonical values.
@@ -191,7 +194,7 @@ class PrivateAlgorithm:
         bound.update({f"noise.{k}": v for k, v in sorted(self.noise.items())})
         for f in dataclasses.fields(self.plan) if dataclasses.is_dataclass(self.plan) else ():
             bound[f"plan.{f.name}"] = canonical(getattr(self.plan, f.name))
-        for name, value in sorted(getattr(self, "_arguments", {}).items()):
+        for name, value in sorted(self.settings.items()):
             if name in _CONFIGS:
                 for field, setting in bound_fields(value).items():
                     bound[f"{name}.{field}"] = canonical(setting)
@@ -205,11 +208,10 @@ class PrivateAlgorithm:
         return bound
 
     def _bind_noise(self) -> None:
-        """Derive the generator's keys and the run's ledger from this run's binding (call once the subclass
-        is built)."""
+        """Derive the generator's keys and the run's ledger from this run's binding."""
         settings = self.binding(data=False)
         self._noise_context = digest(settings)  # bound again on every load: a loaded generator is unbound
-        self.ledger = bind_run(self.generator, settings, identity=self.binding())
+        self.guard.ledger = bind_run(self.generator, settings, identity=self.binding())
 
     # ---- privacy -------------------------------------------------------------------------------------
     def _admit(self, stream: str) -> tuple[Any, Any]:
@@ -217,50 +219,36 @@ class PrivateAlgorithm:
         written into the run's ledger here, before it happens (a release that then fails is charged on
         resume all the same: conservative)."""
         parts, event = self.plan.step(stream, self.noise)
-        released = self._released.get(stream, 0) + 1
-        within_plan = self._within_plan and released <= self._planned.get(stream, 0)
-        if not within_plan and self.epsilon_budget is not None and self.accountant.would_exceed(
-            parts, event, self.epsilon_budget, self.delta, run=self.ledger.segment
-        ):
-            spent = self.accountant.epsilon(self.delta) if self.accountant.streams else 0.0
-            raise BudgetExhaustedError(
+        return self.guard.admit(
+            stream,
+            parts,
+            event,
+            lambda spent: (
                 f"{self.name}: the next '{stream}' release would exceed the budget epsilon="
                 f"{self.epsilon_budget:g} at delta={self.delta:g} (spent so far: epsilon={spent:.4g} "
                 f"after {self.steps_done} steps)"
-            )
-        self._write_ahead(parts, event)
-        self._released[stream] = released  # counted when admitted: a release that then fails still counts
-        return parts, event
+            ),
+        )
 
     def _write_ahead(self, parts: Any, event: Any, *, replace: bool = False) -> Release:
         """Writes an admitted release into the run's ledger and names its noise keys after the entry."""
-        release = self.ledger.admit(parts, event, replace=replace)
-        self.generator.for_release(self.ledger.noise_context())
-        return release
+        return self.guard.write_ahead(parts, event, replace=replace)
 
     def _admit_round(self, releases: Mapping[str, int]) -> None:
         """Refuses, before any of them happens, a round of releases (``{stream: count}``) that would not fit
         the budget as a whole, so that a run never stops half-way through a round (each release is then
         admitted and recorded as usual)."""
-        if self.epsilon_budget is None or all(
-            self._within_plan and self._released.get(s, 0) + c <= self._planned.get(s, 0)
-            for s, c in releases.items()
-        ):
-            return
-        events = [dpa.SelfComposedDpEvent(self.plan.step(s, self.noise)[1], c) for s, c in releases.items()]
-        round_event = dpa.ComposedDpEvent([e for e in events if e.count])
-        if self.accountant.would_exceed(
-            next(iter(releases)), round_event, self.epsilon_budget, self.delta, run=self.ledger.segment
-        ):
-            spent = self.accountant.epsilon(self.delta) if self.accountant.streams else 0.0
-            raise BudgetExhaustedError(
+        self.guard.admit_round(
+            {s: (c, self.plan.step(s, self.noise)[1]) for s, c in releases.items()},
+            lambda spent: (
                 f"{self.name}: the next round ({', '.join(f'{c} x {s!r}' for s, c in releases.items())}) "
                 f"would exceed the budget epsilon={self.epsilon_budget:g} at delta={self.delta:g} (spent so "
                 f"far: epsilon={spent:.4g} after {self.steps_done} steps); nothing of it was released"
-            )
+            ),
+        )
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
-        self.accountant.record(*admitted, run=self.ledger.segment)
+        self.guard.record(*admitted)
 
     @contextlib.contextmanager
     def releasing(self, stream: str) -> Iterator[None]:
@@ -270,14 +258,6 @@ class PrivateAlgorithm:
         admitted = self._admit(stream)
         yield
         self._record(admitted)
-
-    def _parameter_count(self) -> int:
-        return sum(p.numel() for p in self.params)
-
-    def _noise_units(self) -> dict[str, float] | None:
-        """For ``shares="auto"``: the public radius or sensitivity each stream's noise multiplier is relative
-        to, relative to the others' (``None``: equal). Called during construction, before calibration."""
-        return None
 
     def privacy_spent(self, delta: float | None = None) -> PrivacyReport:
         """(epsilon, delta) of everything released so far, from the releases actually made; per stream its
@@ -349,10 +329,8 @@ class PrivateAlgorithm:
             "params": [p.detach().clone() for p in self.params],
             "buffers": {k: [t.clone() for t in v] for k, v in self._buffers().items()},
             "generator": self.generator.state_dict(),
-            "accountant": self.accountant.state_dict(),
-            "ledger": self.ledger.state(),
+            **self.guard.state(),  # accountant, ledger, released
             "extra": self._extra_state(),
-            "released": dict(self._released),
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
         }
 
@@ -361,7 +339,7 @@ class PrivateAlgorithm:
         run released after it (see the class documentation: from the run's ledger file when the run has
         one, else from this object's own releases if it is the same run)."""
         self._check_state(state)
-        self._resume(state, self._ledger_of(state, None))
+        self._resume(state, self.guard.ledger_of(state["ledger"]))
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         try:
@@ -390,33 +368,15 @@ class PrivateAlgorithm:
         except (KeyError, TypeError) as err:
             raise ValueError(f"state: not a {self.name} checkpoint ({err!r})") from None
 
-    def _ledger_of(self, state: Mapping[str, Any], checkpoint: str | os.PathLike | None) -> RunLedger:
-        """The ledger of the run ``state`` belongs to, as far as it can be found: its file (named in the
-        state, or beside ``checkpoint``), else this object's own ledger if it is the same run, else only
-        the state's position in it."""
-        position = state["ledger"]
-        if position.get("path") is not None or checkpoint is not None:
-            return RunLedger.of_checkpoint(position, checkpoint or position["path"])
-        ledger = RunLedger.at(position)
-        if ledger.run == self.ledger.run:
-            ledger.adopt(self.ledger)
-        return ledger
-
     def _resume(self, state: Mapping[str, Any], ledger: RunLedger) -> None:
         """Installs a checked state, charges the run's releases after it and, if there were any (or they
         cannot be known), makes what follows a re-run: a new segment with fresh sampling randomness."""
         after = ledger.releases_after(ledger.seq)  # a foreign or unreadable ledger raises: nothing changed
         self._check_rerun(after)
-        known = ledger.path is not None or ledger.run == self.ledger.run
-        rerun = bool(after) or not (known or self.generator.reproducible)
+        rerun = bool(after) or not (self.guard.knows(ledger) or self.generator.reproducible)
         self._restore(state)
-        for release in after:
-            self.accountant.record(release.parts, release.event, run=release.segment, replace=release.replace)
-        if after:  # charged on top of the plan's: check every release from now on
-            self._within_plan = False
         seed = self.generator.seed if self.generator.reproducible else None
-        ledger.resumed(rerun, seed)
-        self.ledger = ledger
+        self.guard.resume(ledger, after, rerun=rerun, seed=seed)
         if rerun:
             for k, sampler in enumerate(self._samplers()):
                 derived = hashlib.sha256(f"{ledger.segment}/{k}".encode()).digest()[:8]
@@ -443,9 +403,8 @@ class PrivateAlgorithm:
             generator = NoiseGenerator.from_state_dict(state["generator"])
             accountant = Accountant.from_state_dict(state["accountant"])
             steps = int(state["steps_done"])
-            released = {str(k): int(v) for k, v in state["released"].items()}
-            position = state["ledger"]
-            ledger = RunLedger.at(position)
+            released = PrivacyGuard.parse_counts(state, parallel=False)
+            ledger = RunLedger.at(state["ledger"])
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"state: not a {self.name} checkpoint ({err!r})") from None
         with torch.no_grad():
@@ -455,9 +414,8 @@ class PrivateAlgorithm:
                 for t, v in zip(tensors, state["buffers"][k]):
                     t.copy_(v)
         generator.bind(self._noise_context)
-        self.generator, self.accountant, self.steps_done = generator, accountant, steps
-        self.ledger = ledger
-        self._released = released
+        self.guard.install(accountant, generator, ledger, released)
+        self.steps_done = steps
         self._load_extra_state(state["extra"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -482,39 +440,7 @@ class PrivateAlgorithm:
         re-run them are releases too, charged as they run, with fresh noise and fresh batches."""
         state = read_checkpoint(path, self.name)
         self._check_state(state)
-        self._resume(state, self._ledger_of(state, path))
-
-
-def _recording_arguments(init: Callable[..., None]) -> Callable[..., None]:
-    """Wraps a subclass ``__init__`` so that the outermost call records its bound arguments (the settings a
-    checkpoint binds), before the constructor runs."""
-    signature = inspect.signature(init)
-
-    @functools.wraps(init)
-    def wrapper(self: PrivateAlgorithm, *args: Any, **kwargs: Any) -> None:
-        outermost = "_arguments" not in self.__dict__
-        if outermost:
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            arguments = {}
-            for name, value in bound.arguments.items():
-                kind = signature.parameters[name].kind
-                if kind is inspect.Parameter.VAR_KEYWORD:
-                    arguments.update(value)
-                elif kind is not inspect.Parameter.VAR_POSITIONAL:
-                    arguments[name] = value
-            self._arguments = {k: v for k, v in arguments.items() if k not in _UNBOUND_ARGUMENTS}
-        init(self, *args, **kwargs)
-        if outermost:
-            self._bind_noise()
-
-    return wrapper
-
-
-def tightest_accountant(plan: Plan) -> str:
-    """``"pld"`` where the PLD accountant can price every release of ``plan``, else ``"rdp"``
-    (:func:`dpvr.privacy.relations.tightest_accountant`)."""
-    return tightest(plan.mechanism(dict.fromkeys(plan.streams, 1.0)).event, plan.neighbouring)
+        self._resume(state, self.guard.ledger_of(state["ledger"], path))
 
 
 def _check_tensors(name: str, given: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:

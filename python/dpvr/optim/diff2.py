@@ -201,6 +201,11 @@ class DIFF2(PrivateAlgorithm):
         runtime: RuntimeConfig = RuntimeConfig(),
         reuse_recording: bool | None = None,
     ) -> None:
+        settings = dict(
+            lr=lr, steps=steps, restart=restart, clip=clip, noise=noise, routine=routine,
+            local_steps=local_steps, local_batch=local_batch, output=output, max_radius=max_radius,
+            optimizer=optimizer, privacy=privacy, runtime=runtime, reuse_recording=reuse_recording,
+        )  # fmt: skip
         remote = isinstance(clients, ClientTransport)
         if isinstance(clients, tuple) and len(clients) == 2 and isinstance(clients[0], torch.Tensor):
             raise TypeError("clients: a list of (inputs, targets) shards; [(inputs, targets)] for one client")
@@ -227,7 +232,14 @@ class DIFF2(PrivateAlgorithm):
         if not remote:
             check_loss(model, loss_fn, *clients[0].probe(1))
         plan = events.DIFF2Plan(min(sizes), len(sizes), steps, restart, local_steps, local_batch)
-        super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        if remote:  # shards held by client processes: their fingerprint if the transport knows it, else sizes
+            data = getattr(clients, "fingerprint", None) or f"remote shards of sizes {list(clients.sizes)}"
+        else:  # for tensors, the fingerprint a distributed aggregator binds for the same shards
+            data = records_fingerprint(clients)
+        super().__init__(
+            model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
+            data=data,
+        )  # fmt: skip
         self.lr, self.steps, self.restart, self.optimizer = lr, int(steps), int(restart), optimizer
         self.routine, self.local_steps, self.output = routine, local_steps, output
         reuse = routine == "gd" if reuse_recording is None else bool(reuse_recording)
@@ -267,13 +279,6 @@ class DIFF2(PrivateAlgorithm):
             self.model, self.loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size,
             nonfinite=self.nonfinite, reuse_recording=reuse,
         )
-
-    def _data(self) -> str:
-        if self.clients:  # for tensors, the fingerprint a distributed aggregator binds for the same shards
-            return records_fingerprint(self.clients)
-        # Shards held by client processes: their fingerprint if the transport knows it, else their sizes.
-        remote = getattr(self.transport, "fingerprint", None)
-        return remote or f"remote shards of sizes {list(self.transport.sizes)}"
 
     def _server_round(self, r: int, restart: bool) -> tuple[float, int]:
         """Lines 4-9 of Algorithm 1: the clients' clipped means, averaged, released into ``v``, one step."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,10 +13,11 @@ from torch import nn
 from ..privacy import Accountant, events
 from ..privacy.last_iterate import CyclicDPSGDPlan
 from . import prox as proximal
-from .base import BudgetExhaustedError, LossFn, PrivateAlgorithm
+from .base import LossFn, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
 from .gradients import ClippedGradients, check_loss
+from .guard import BudgetExhaustedError
 from .ledger import Release
 from .records import Records, as_records
 from .sampling import BatchSampler
@@ -60,7 +62,8 @@ class DPSGD(PrivateAlgorithm):
     logistic regression), which gives the much smaller bound of Theorem 2.3 eq. (19); every step verifies
     the assertion and stops the run (releasing nothing more) if a gradient breaks it. ``bound`` picks the
     accounting of the cyclic run: ``"last-iterate"`` (default), ``"composition"`` (plain composition of the
-    passes, valid for every iterate) or ``"best"`` (the smaller).
+    passes, valid for every iterate) or ``"best"`` (the smaller). ``settings``, for subclasses: the settings
+    the run's binding records (default: every argument but the model, loss and data, as given).
     """
 
     name = "DP-SGD"
@@ -86,7 +89,14 @@ class DPSGD(PrivateAlgorithm):
         optimizer: torch.optim.Optimizer | None = None,
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
+        if settings is None:  # what the binding records: every argument above but the model, loss and data
+            settings = dict(
+                lr=lr, clip=clip, steps=steps, batch_size=batch_size, sampling=sampling, noise=noise,
+                prox=prox, weak_convexity=weak_convexity, smoothness=smoothness, clipping=clipping,
+                bound=bound, optimizer=optimizer, privacy=privacy, runtime=runtime,
+            )  # fmt: skip
         records = as_records(inputs, targets)
         if not clip > 0:
             raise ValueError(f"clip: must be > 0, got {clip}")
@@ -131,7 +141,10 @@ class DPSGD(PrivateAlgorithm):
             )
             self.sampler = BatchSampler.for_stream(plan, "gradient", n, runtime.sampler_seed)
         check_loss(model, loss_fn, *records.probe(1))
-        super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        super().__init__(
+            model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
+            data=records,
+        )  # fmt: skip
         self.records = records
         self.lr, self.clip, self.steps, self.prox = lr, float(clip), int(steps), prox
         self.optimizer = optimizer
@@ -152,9 +165,6 @@ class DPSGD(PrivateAlgorithm):
     def targets(self) -> torch.Tensor:
         """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
         return self.records.targets
-
-    def _data(self) -> str:
-        return self.records.fingerprint()
 
     def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
@@ -216,7 +226,7 @@ class DPSGD(PrivateAlgorithm):
     def _record(self, admitted: tuple[Any, Any]) -> None:
         if not self.last_iterate_only:
             return super()._record(admitted)
-        self.accountant.record(*admitted, run=self.ledger.segment, replace=True)
+        self.guard.record(*admitted, replace=True)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
@@ -238,9 +248,10 @@ class DPGD(DPSGD):
         targets: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> None:
+        given = dict(kwargs)  # the binding records the settings given here (as given)
         if kwargs.pop("sampling", "full") != "full" or kwargs.pop("batch_size", None) not in (
             None,
             len(inputs),
         ):
             raise ValueError("DPGD uses the full batch; use DPSGD for sampled batches")
-        super().__init__(model, loss_fn, inputs, targets, sampling="full", **kwargs)
+        super().__init__(model, loss_fn, inputs, targets, sampling="full", settings=given, **kwargs)

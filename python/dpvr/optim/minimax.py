@@ -194,8 +194,6 @@ class _WithY(nn.Module):
 class MinimaxAlgorithm(PrivateAlgorithm):
     """What DP-SGDA and PrivateDiff share: data, sampling, ``y`` and its noisy clipped ascent step."""
 
-    _units: dict[str, float]  # set by each subclass before calibration: see _noise_units
-
     def __init__(
         self,
         model: nn.Module,
@@ -210,7 +208,11 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         noise: Mapping[str, float] | None,
         privacy: PrivacyConfig,
         runtime: RuntimeConfig,
+        settings: Mapping[str, Any],
+        units: Mapping[str, float],
     ) -> None:
+        """``settings``: what the run's binding records (the subclass's arguments, as given); ``units``: for
+        ``shares="auto"``, the public radius or sensitivity each stream's noise multiplier is relative to."""
         if lr_y is not None and not lr_y > 0:
             raise ValueError(f"lr_y: must be > 0, got {lr_y}")
         d = problem.y_dim
@@ -219,9 +221,12 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             # y enters the x-gradients as a constant: stop its gradient.
             return problem.loss(output[:-d], target, output[-d:].detach())
 
-        self.problem = problem  # before calibration: y's (public) length enters shares="auto"
-        super().__init__(model, x_loss, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        super().__init__(
+            model, x_loss, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
+            data=records, units=units, problem=problem,  # y's (public) length enters shares="auto"
+        )  # fmt: skip
         self.problem, self.records, self.sampler = problem, records, sampler
+        self._units = dict(units)
         # None where the algorithm takes no noisy ascent step (PrivateDiff with y_release="output")
         self.lr_y = None if lr_y is None else float(lr_y)
         self.clip_y = None if clip_y is None else float(clip_y)
@@ -243,6 +248,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         self._y_sum, self._y_v, self._y_scratch = (torch.zeros_like(self.y) for _ in range(3))
 
     def _noise_units(self) -> dict[str, float]:
+        """The ``units`` the noise was calibrated with (``shares="auto"``)."""
         return self._units
 
     # ---- x-gradients at (x, y) points -------------------------------------------------------------------
@@ -294,9 +300,6 @@ class MinimaxAlgorithm(PrivateAlgorithm):
     def targets(self) -> Tensor:
         """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
         return self.records.targets
-
-    def _data(self) -> str:
-        return self.records.fingerprint()
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def _buffers(self) -> dict[str, list[Tensor]]:
@@ -352,16 +355,20 @@ class DPSGDA(MinimaxAlgorithm):
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
+        settings = dict(
+            lr=lr, lr_y=lr_y, steps=steps, batch_size=batch_size, clip=clip, noise=noise, sampling=sampling,
+            y0=y0, optimizer=optimizer, privacy=privacy, runtime=runtime,
+        )  # fmt: skip
         lr = step_size(lr, optimizer)
         clip = stream_clips(clip, ("x", "y"))
-        self._units = {"y": clip["y"] / clip["x"]}  # shares="auto": y's noise is relative to C2, x's to C1
+        units = {"y": clip["y"] / clip["x"]}  # shares="auto": y's noise is relative to C2, x's to C1
         records = as_records(inputs, targets)
         n = len(records)
         plan = events.DPSGDAPlan(n, n if sampling == "full" else batch_size, steps, sampling)
         sampler = BatchSampler.for_stream(plan, "x", n, runtime.sampler_seed)  # x and y share its batch
         super().__init__(
             model, problem, records, plan=plan, sampler=sampler, lr_y=lr_y, clip_y=clip["y"], y0=y0,
-            noise=noise, privacy=privacy, runtime=runtime,
+            noise=noise, privacy=privacy, runtime=runtime, settings=settings, units=units,
         )
         self.clip, self.lr, self.steps, self.optimizer = clip, lr, int(steps), optimizer
         self.x = Iterate(self.params, optimizer, keep_previous=False)
@@ -498,6 +505,11 @@ class PrivateDiff(MinimaxAlgorithm):
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
+        settings = dict(
+            lr=lr, lr_y=lr_y, steps=steps, restart=restart, y_steps=y_steps, batch_size=batch_size, clip=clip,
+            noise=noise, sampling=sampling, y_release=y_release, y_tolerance=y_tolerance, y0=y0,
+            max_radius=max_radius, optimizer=optimizer, privacy=privacy, runtime=runtime,
+        )  # fmt: skip
         lr = step_size(lr, optimizer)
         if y_release not in Y_RELEASES:
             raise ValueError(f"y_release: must be one of {Y_RELEASES}, got {y_release!r}")
@@ -532,7 +544,7 @@ class PrivateDiff(MinimaxAlgorithm):
             if lr_y is None:
                 raise ValueError("lr_y: the ascent step size is required with y_release='ascent'")
         # shares="auto": the y noise is relative to Delta (output) or C0 (ascent), the x noise to C1
-        self._units = {"y": (self.y_sensitivity if output else clip["y"]) / clip["checkpoint"]}
+        units = {"y": (self.y_sensitivity if output else clip["y"]) / clip["checkpoint"]}
         plan = events.PrivateDiffPlan(
             n, n if sampling == "full" else batch_size, steps, restart, y_steps, sampling, y_release=y_release
         )
@@ -541,6 +553,7 @@ class PrivateDiff(MinimaxAlgorithm):
         super().__init__(
             model, problem, records, plan=plan, sampler=sampler, lr_y=lr_y,
             clip_y=None if output else clip["y"], y0=y0, noise=noise, privacy=privacy, runtime=runtime,
+            settings=settings, units=units,
         )  # fmt: skip
         self.clip, self.y_release = clip, y_release
         self.lr, self.steps, self.restart, self.y_steps = lr, int(steps), int(restart), int(y_steps)

@@ -56,9 +56,13 @@ class _Spider(PrivateAlgorithm):
         noise: Mapping[str, float] | None,
         privacy: PrivacyConfig,
         runtime: RuntimeConfig,
+        settings: Mapping[str, Any],
     ) -> None:
         check_loss(model, loss_fn, *records.probe(1))
-        super().__init__(model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        super().__init__(
+            model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
+            data=records,
+        )  # fmt: skip
         self.records = records
         n = len(records)
         # One sampler per stream, keyed by name and sized by the plan's own per-stream batch size: what a
@@ -82,9 +86,6 @@ class _Spider(PrivateAlgorithm):
     def targets(self) -> Tensor:
         """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
         return self.records.targets
-
-    def _data(self) -> str:
-        return self.records.fingerprint()
 
     def _draw(self, stream: str) -> Batch:
         """The records of ``stream``'s next batch, ``(inputs, targets)``."""
@@ -223,6 +224,11 @@ class DoubleSpider(_Spider):
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
+        settings = dict(
+            divergence=divergence, lam=lam, steps=steps, restart=restart, batch_sizes=batch_sizes, lr=lr,
+            lr_eta=lr_eta, max_move=max_move, clip=clip, eta0=eta0, noise=noise, sampling=sampling,
+            privacy=privacy, runtime=runtime,
+        )  # fmt: skip
         for name, value in (("lam", lam), ("lr", lr), ("lr_eta", lr_eta), ("max_move", max_move)):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
@@ -234,7 +240,10 @@ class DoubleSpider(_Spider):
                 raise ValueError(f"clip[{stream!r}]: both coefficients must be > 0, got {clip[stream]}")
         records = as_records(inputs, targets)
         plan = events.DoubleSpiderPlan(len(records), steps, restart, _batch_sizes(batch_sizes), sampling)
-        super().__init__(model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        super().__init__(
+            model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime,
+            settings=settings,
+        )  # fmt: skip
         self.divergence, self.lam, self.restart, self.clip = divergence, float(lam), int(restart), clip
         self.lr, self.lr_eta, self.max_move = float(lr), float(lr_eta), float(max_move)
         # Difference radii capped at twice the refresh radius (not in the paper: noise cannot feed on itself).
@@ -372,6 +381,11 @@ class RecursiveSpider(_Spider):
         privacy: PrivacyConfig = PrivacyConfig(),
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
+        settings = dict(
+            rho=rho, lam0=lam0, steps=steps, restart=restart, batch_sizes=batch_sizes, lr=lr, lr_lam=lr_lam,
+            beta=beta, loss_bound=loss_bound, clip=clip, lam_init=lam_init, s0=s0, s_floor=s_floor,
+            noise=noise, sampling=sampling, privacy=privacy, runtime=runtime,
+        )  # fmt: skip
         for name, value in (("lam0", lam0), ("lr", lr), ("lr_lam", lr_lam), ("s_floor", s_floor)):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
@@ -382,7 +396,10 @@ class RecursiveSpider(_Spider):
         clip = stream_clips(clip, ("v-refresh", "v-difference", "u-refresh", "u-difference", "s"))
         records = as_records(inputs, targets)
         plan = events.RecursiveSpiderPlan(len(records), steps, restart, _batch_sizes(batch_sizes), sampling)
-        super().__init__(model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime)
+        super().__init__(
+            model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime,
+            settings=settings,
+        )  # fmt: skip
         self.rho, self.lam0, self.restart, self.clip = float(rho), float(lam0), int(restart), clip
         self.lr, self.lr_lam, self.beta, self.bound = float(lr), float(lr_lam), float(beta), float(loss_bound)
         self.s_floor = float(s_floor)

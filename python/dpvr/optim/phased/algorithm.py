@@ -74,9 +74,9 @@ from ...ops import NoiseGenerator, check_nonfinite
 from ...privacy import Accountant, PhasedPlan, account, output_perturbation_multiplier
 from ...privacy.mechanism import noise_dict
 from ...problems import FiniteSumProblem, check_problem
-from ..base import BudgetExhaustedError, tightest_accountant
 from ..binding import bind_run, canonical, digest
 from ..config import PrivacyConfig, RuntimeConfig
+from ..guard import PrivacyGuard, tightest_accountant
 from ..ledger import RunLedger
 from .problem import BaseSolver, CertificateError, PhaseProblem, split_rows
 from .solvers import KatyushaSolver, VRExtragradientSolver
@@ -352,8 +352,15 @@ class PhasedOutputPerturbation:
         self.gaussian = gaussian
         self.solver = solver
         self.mu, self.radius, self.phases = _positive("mu", mu), _positive("radius", radius), phases
-        self.accountant = accountant if accountant is not None else Accountant(kind, "replace-one")
-        self.generator = generator if generator is not None else NoiseGenerator()
+        # The privacy side of the run: each stream's phases read disjoint chunks, so one segment's releases
+        # of a stream are charged once (parallel composition).
+        self.guard = PrivacyGuard(
+            accountant if accountant is not None else Accountant(kind, "replace-one"),
+            generator if generator is not None else NoiseGenerator(),
+            epsilon=self.epsilon,
+            delta=self.delta,
+            parallel=True,
+        )
         self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self._x0, self._y0 = x0, y0
         self.verify = bool(verify)
@@ -361,7 +368,6 @@ class PhasedOutputPerturbation:
         self._points: dict[int, list[list[float]]] = {}  # run -> its current (x, y) after the last phase
         self._noise: dict[str, float] = {}
         self._problem_fingerprint: str | None = None  # of the problem a loaded state was written for
-        self._charged: set[tuple[str, str]] = set()  # (segment, stream) whose run release is recorded
         self._binding = {
             k: canonical(v)
             for k, v in dict(
@@ -370,7 +376,20 @@ class PhasedOutputPerturbation:
                 ratios=self.ratios, nonfinite=nonfinite,
             ).items()
         }  # fmt: skip
-        self.ledger = bind_run(self.generator, self._binding)
+        self.guard.ledger = bind_run(self.generator, self._binding)
+
+    # The guard's parts, as attributes.
+    @property
+    def accountant(self) -> Accountant:
+        return self.guard.accountant
+
+    @property
+    def generator(self) -> NoiseGenerator:
+        return self.guard.generator
+
+    @property
+    def ledger(self) -> RunLedger:
+        return self.guard.ledger
 
     # -- the phase loop ----------------------------------------------------------------------------------
 
@@ -510,22 +529,18 @@ class PhasedOutputPerturbation:
         Delta``, hence the same multiplier); a charge beyond the budget is refused before the release."""
         noise = dict.fromkeys(self._plan.streams, multiplier)
         attribution, event = self._plan.step(name, noise)
-        first = (self.ledger.segment, name) not in self._charged
-        rerun = any(segment != self.ledger.segment for segment, _ in self._charged)
-        if first and rerun and self.accountant.would_exceed(
-            attribution, event, self.epsilon, self.delta, run=self.ledger.segment
-        ):
-            raise BudgetExhaustedError(
+        first = self.guard.admit_parallel(
+            name,
+            attribution,
+            event,
+            lambda spent: (
                 f"phased: re-running the '{name}' release after a resume would exceed the budget "
                 f"epsilon={self.epsilon:g} (the run's releases after the loaded state are charged); nothing "
                 "was released"
-            )
-        self.ledger.admit(attribution, event)
-        self.generator.for_release(self.ledger.noise_context())
+            ),
+        )
         if not first:
             return
-        self._charged.add((self.ledger.segment, name))
-        self.accountant.record(attribution, event, run=self.ledger.segment)
         for text in self._plan.mechanism(noise).assumptions:
             self.accountant.assume(text)
         self.accountant.assume(
@@ -600,10 +615,8 @@ class PhasedOutputPerturbation:
             "records": [asdict(r) for r in self._records],
             "points": {str(k): v for k, v in self._points.items()},
             "noise_multipliers": dict(self._noise),
-            "accountant": self.accountant.state_dict(),
             "generator": self.generator.state_dict(),
-            "ledger": self.ledger.state(),
-            "charged": sorted(list(c) for c in self._charged),
+            **self.guard.state(),  # accountant, ledger, charged
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -619,10 +632,7 @@ class PhasedOutputPerturbation:
                 f"state: written by a run with other settings ({', '.join(differ)}); resuming it here could "
                 "release what that run already released under other conditions"
             )
-        position = state["ledger"]
-        ledger = RunLedger.at(position)
-        if ledger.run == self.ledger.run:
-            ledger.adopt(self.ledger)
+        ledger = self.guard.ledger_of(state["ledger"])
         after = ledger.releases_after(ledger.seq)
         self._problem_fingerprint = state["problem"]
         self.seed = int(state["seed"])
@@ -637,15 +647,11 @@ class PhasedOutputPerturbation:
         self.accountant.load_state_dict(state["accountant"])
         self.generator.load_state_dict(state["generator"])
         self.generator.bind(digest(self._binding))
-        self._charged = {(str(s), str(n)) for s, n in state["charged"]}
-        for release in after:  # one charge per branch and stream: parallel composition over its phases
-            name = release.parts if isinstance(release.parts, str) else next(iter(release.parts))
-            if (release.segment, name) not in self._charged:
-                self._charged.add((release.segment, name))
-                self.accountant.record(release.parts, release.event, run=release.segment)
-        known = ledger.run == self.ledger.run
-        ledger.resumed(bool(after) or not (known or self.generator.reproducible), None)
-        self.ledger = ledger
+        rerun = bool(after) or not (self.guard.knows(ledger) or self.generator.reproducible)
+        charged = PrivacyGuard.parse_counts(state, parallel=True)
+        self.guard.install(self.accountant, self.generator, ledger, charged)
+        # one charge per branch and stream: parallel composition over its phases
+        self.guard.resume(ledger, after, rerun=rerun, seed=None)
 
 
 __all__ = [
