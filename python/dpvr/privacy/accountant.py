@@ -84,7 +84,22 @@ _RELATION_NOTES = {
 class PrivacyReport:
     """What was spent: ``(epsilon, delta)``-DP under ``neighbouring``; per noise stream its ``shares`` of the
     spend (fractions of the total RDP at the reporting order, summing to 1) and, in an algorithm's report,
-    its ``noise_multipliers``; and every assumption the guarantee rests on."""
+    its ``noise_multipliers``; and every assumption the guarantee rests on.
+
+    Attributes:
+        epsilon: the privacy loss of everything recorded, at ``delta``.
+        delta: the ``delta`` it is reported at (including any failure probability recorded).
+        accountant: ``"rdp"`` or ``"pld"`` (or a registered accountant's name).
+        neighbouring: ``"replace-one"`` or ``"add-remove"``.
+        order: the RDP order that gave ``epsilon`` (``None`` under PLD).
+        shares: each stream's fraction of the spend.
+        assumptions: every assumption the guarantee rests on (relation, clipping, sampling, ...).
+        noise_multipliers: each stream's noise multiplier, in an algorithm's report.
+
+    Guarantee:
+        The recorded releases, composed, are ``(epsilon, delta)``-DP under ``neighbouring`` provided every
+        entry of ``assumptions`` holds.
+    """
 
     epsilon: float
     delta: float
@@ -222,6 +237,18 @@ class Accountant:
     Noise multipliers follow dpvr's convention (:mod:`dpvr.privacy.relations`): noise std over the L2 bound
     on one record's contribution to the released sum. Under replace-one that record can move the sum by
     twice the bound, and the accountant prices it so.
+
+    Args:
+        accountant: ``"rdp"``, ``"pld"`` or a registered accountant's name.
+        neighbouring: ``"replace-one"`` or ``"add-remove"``.
+        orders: the RDP orders (all above 1); default a fixed grid.
+
+    Raises:
+        ValueError: an unknown accountant or neighbouring relation, or orders that are empty or not above 1.
+
+    Guarantee:
+        :meth:`report` and :meth:`epsilon` bound the privacy loss of the adaptive composition of everything
+        recorded, under ``neighbouring``, given the assumptions recorded with it (:attr:`assumptions`).
     """
 
     def __init__(
@@ -528,7 +555,21 @@ class Accountant:
 
 
 def account(mechanism: Mechanism, delta: float, accountant: str = "rdp") -> PrivacyReport:
-    """Report for a whole run: a fresh accountant that records ``mechanism`` and reports at ``delta``."""
+    """Report for a whole run: a fresh accountant that records ``mechanism`` and reports at ``delta``.
+
+    Args:
+        mechanism: the run's releases (a plan's ``mechanism(noise)``).
+        delta: the target ``delta``.
+        accountant: ``"rdp"`` or ``"pld"``.
+
+    Returns:
+        The :class:`PrivacyReport`: the run is ``(report.epsilon, delta)``-DP under the mechanism's
+        neighbouring relation.
+
+    Raises:
+        ValueError: an invalid ``delta``, or an accountant that cannot price one of the mechanism's releases
+            (e.g. Poisson sampling under replace-one with RDP, random allocation without PLD).
+    """
     acc = Accountant(accountant, mechanism.neighbouring)
     acc.record_mechanism(mechanism)
     return acc.report(delta)

@@ -80,6 +80,31 @@ def calibrate(
     otherwise), and optionally ``units={stream: u}``, the public radius or sensitivity a stream's noise
     multiplier is relative to, relative to the other streams' (default 1). ``paper_options`` go to the
     plan's ``paper_noise`` (e.g. ``u`` for DIFF2, ``gaussian`` for the phased framework).
+
+    Args:
+        factory: the run's plan (``noise -> mechanism``), e.g. ``DPSGDPlan(steps=..., sample_rate=...)``.
+        epsilon: the target ``epsilon``.
+        delta: the target ``delta``.
+        shares: ``{stream: weight}``, ``"auto"`` or ``None`` (equal shares).
+        accountant: ``"rdp"`` or ``"pld"``.
+        calibration: ``"tight"`` (joint, numerical) or ``"paper"`` (the paper's closed form).
+        dimensions: each stream's released length, for ``shares="auto"``.
+        units: each stream's public unit relative to the others', for ``shares="auto"``.
+        **paper_options: keyword arguments of the plan's ``paper_noise``.
+
+    Returns:
+        ``{stream: noise multiplier}``, in dpvr's convention (noise std over one record's L2 bound).
+
+    Raises:
+        ValueError: invalid ``epsilon``, ``delta``, ``shares``, ``calibration`` or options; a plan without
+            streams, or with a stream that has no releases; ``delta`` not above the plan's failure
+            probability; ``calibration="paper"`` for a plan without a closed form.
+        RuntimeError: the search for the noise did not converge.
+
+    Guarantee:
+        With ``calibration="tight"`` the run with the returned noise spends at most ``epsilon`` at ``delta``
+        as ``accountant`` prices it. ``calibration="paper"`` returns the paper's formula, which may spend
+        more or less (check it with :func:`account`).
     """
     epsilon = _checks.positive("epsilon", epsilon)
     delta = _checks.delta(delta)

@@ -88,6 +88,9 @@ class PaperSigmas(dict):
     dpvr's algorithms take noise multipliers per stream in the accountant's convention; this marker is the
     one explicit way to give the papers' sigmas instead (e.g. DIFF2's sigma on the averaged mean, a multiple
     of the clip radius): the algorithm converts each with :meth:`Plan.noise_from_paper`.
+
+    A ``dict`` of ``{stream: sigma}``; it changes the unit of the noise, not the guarantee, which is always
+    the accountant's price of the converted noise multipliers.
     """
 
 

@@ -25,7 +25,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def recordwise(collate: F) -> F:
     """Declares ``collate`` record-wise: each record's part of its output depends on that record only (and
-    on public constants). Returns ``collate`` itself, marked."""
+    on public constants). Returns ``collate`` itself, marked.
+
+    Args:
+        collate: a ``DataLoader`` collate function; :func:`dpvr.make_private` spot-checks the declaration.
+
+    Returns:
+        ``collate``, marked (or, for a builtin or bound method that cannot carry the mark, a marked wrapper).
+
+    Raises:
+        TypeError: ``collate`` is not callable.
+    """
     if not callable(collate):
         raise TypeError(f"recordwise: expected a collate function, got {type(collate).__name__}")
     try:
@@ -45,7 +55,18 @@ def pad_collate(length: int, value: float = 0) -> Callable[[Sequence[Any]], tupl
 
     The length is fixed and public on purpose: padding to the longest sequence of the batch would make each
     record's input depend on the others' lengths, which is record-wise only for a model that ignores
-    padding, something dpvr cannot check."""
+    padding, something dpvr cannot check.
+
+    Args:
+        length: the public sequence length every record is cut or padded to.
+        value: the padding value.
+
+    Returns:
+        A record-wise collate function ``batch -> (sequences, targets)``.
+
+    Raises:
+        ValueError: ``length`` is not a positive integer.
+    """
     if not (isinstance(length, int) and length > 0):
         raise ValueError(f"length: must be a positive integer, got {length!r}")
 

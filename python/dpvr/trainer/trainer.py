@@ -99,6 +99,23 @@ def make_private(
 
     The noise is calibrated so that the whole planned run spends ``epsilon``; a release that would exceed it
     raises :class:`~dpvr.optim.BudgetExhaustedError` before it happens.
+
+    Returns:
+        A :class:`PrivateTrainer` around the calibrated algorithm (``trainer.algorithm``); nothing has run
+        and nothing is released until it is stepped.
+
+    Raises:
+        ValueError: ``algorithm`` is not a name ``make_private`` runs, ``noise`` is given, ``module`` has no
+            trainable parameters, the data or settings do not fit the algorithm (every problem listed at
+            once), or the model fails a record-independence check (the module named, with the fix).
+        TypeError: ``module`` is not an ``nn.Module``, or ``criterion`` is not what ``algorithm`` takes (a
+            loss callable, or a ``MinimaxProblem`` for the minimax algorithms).
+
+    Guarantee:
+        The whole run is ``(epsilon, delta)``-DP under the algorithm's neighbouring relation (reported by
+        :meth:`PrivateTrainer.privacy_spent`) with respect to what the algorithm releases: every iterate, or
+        only the last one under ``algorithm="last-iterate"``. The optimizer's steps and
+        :meth:`PrivateTrainer.evaluate` callbacks are post-processing of released values.
     """
     spec = registry.REGISTRY.get(algorithm) if isinstance(algorithm, str) else None
     if spec is None or spec.layout is None:

@@ -48,7 +48,16 @@ def validate(model: nn.Module) -> list[Finding]:
     """Every module of ``model`` that dpvr refuses or sends to a slow path, with why and the fix.
 
     Refused modules make :func:`dpvr.make_private` raise (listing all of them); :func:`fix` replaces the ones
-    it can. A ``slow`` finding is information only: that module's per-sample gradients are materialised."""
+    it can. A ``slow`` finding is information only: that module's per-sample gradients are materialised.
+
+    Args:
+        model: the model to inspect (not modified, not run).
+
+    Returns:
+        One :class:`Finding` per module: its name, type, the problem, the fix, and whether it is refused
+        (batch normalisation, instance normalisation tracking running statistics, embeddings with
+        ``max_norm``) or only slow (no ghost rule). Empty when the model is accepted as it is.
+    """
     findings = []
     for name, module in model.named_modules():
         kind = type(module).__name__
@@ -83,7 +92,16 @@ def fix(model: nn.Module, *, groups: int = 32) -> list[str]:
     Batch normalisation becomes ``GroupNorm`` with up to ``groups`` groups of at least two channels each
     (affine as before, newly initialised: batch statistics have no per-record equivalent); instance
     normalisation stops tracking running statistics (its buffers are dropped); embeddings lose
-    ``max_norm``."""
+    ``max_norm``.
+
+    Args:
+        model: the model to change in place (a batch-normalisation layer is replaced inside its parent, so
+            ``model`` itself must not be one).
+        groups: the most groups a replacing ``GroupNorm`` gets.
+
+    Returns:
+        One line per change, ``"name: before -> after"``; empty when nothing needed fixing.
+    """
     changes = []
     for name, module in list(model.named_modules()):
         kind = type(module).__name__
