@@ -66,6 +66,9 @@ from ..results import Record
 from .timing import device_sync, host_syncs, interleaved_median_ms, peak_bytes
 
 CASES = ("mlp", "cnn", "transformer", "lstm", "gpt2")
+# The cases that grow (``dpvr bench step --scale``; not in the default run): ~10^7 parameters each, and a
+# GPT-2-style decoder at three sequence lengths.
+SCALE_CASES = ("mlp-wide", "resnet", "gpt2-1e7-t128", "gpt2-1e7-t512", "gpt2-1e7-t1024")
 CLIP, CLIP2, SIGMA, LR = 1.0, 10.0, 1.0, 0.05
 FRESH_BATCHES = 4  # the fresh-batch round cycles through this many batches
 WIDTHS = (784, 256, 128, 1)
@@ -121,16 +124,41 @@ class Decoder(nn.Module):
     language-model head), classifying a sequence from its last position's logits over ``classes`` tokens."""
 
     def __init__(self, vocab: int = 1000, width: int = 64, layers: int = 2, length: int = 64,
-                 classes: int = 2) -> None:
+                 classes: int = 2, heads: int = 4) -> None:
         super().__init__()
         import transformers
 
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers,
-                                         n_head=4, bos_token_id=0, eos_token_id=0, use_cache=False)
+                                         n_head=heads, bos_token_id=0, eos_token_id=0, use_cache=False)
         self.gpt2, self.classes = transformers.GPT2LMHeadModel(config), classes
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.gpt2(tokens).logits[:, -1, : self.classes]
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with GroupNorm and a skip connection (a 1x1 projection where the shape
+    changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, stride, 1), nn.GroupNorm(8, c_out), nn.ReLU(),
+            nn.Conv2d(c_out, c_out, 3, 1, 1), nn.GroupNorm(8, c_out),
+        )
+        self.skip = nn.Identity() if c_in == c_out and stride == 1 else nn.Conv2d(c_in, c_out, 1, stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+def resnet(widths: Sequence[int] = (128, 256, 512, 512), classes: int = 10) -> nn.Module:
+    """A ResNet-style CNN on 3x32x32 inputs: a stem, one residual block per width (stride 2 after the first),
+    global average pooling and a linear head (about 10^7 parameters with the default widths)."""
+    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, 1, 1), nn.GroupNorm(8, widths[0]), nn.ReLU()]
+    for k, (c_in, c_out) in enumerate(zip((widths[0], *widths[:-1]), widths)):
+        layers.append(ResidualBlock(c_in, c_out, 1 if k == 0 else 2))
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes))
 
 
 def squared(output: Tensor, target: Tensor) -> Tensor:
@@ -202,6 +230,25 @@ def _make_case(name: str, batch: int | None) -> Case:
         b = batch or 64
         data = [(torch.randint(0, 1000, (b, 64)), torch.randint(0, 2, (b,))) for _ in range(FRESH_BATCHES)]
         return Case("transformer-2layer-seq64", Encoder(), data, cross_entropy, nn.CrossEntropyLoss())
+    if name == "mlp-wide":
+        b = batch or 256
+        widths = (784, 4096, 2048, 10)
+        layers: list[nn.Module] = []
+        for n_in, n_out in zip(widths[:-1], widths[1:]):
+            layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+        data = [(torch.randn(b, 784), torch.randint(0, 10, (b,))) for _ in range(FRESH_BATCHES)]
+        return Case("mlp-784-4096-2048-10", nn.Sequential(*layers[:-1]), data, cross_entropy,
+                    nn.CrossEntropyLoss())
+    if name == "resnet":
+        b = batch or 32
+        data = [(torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))) for _ in range(FRESH_BATCHES)]
+        return Case("resnet-128-256-512-512-32x32", resnet(), data, cross_entropy, nn.CrossEntropyLoss())
+    if name.startswith("gpt2-1e7-t"):
+        length, b = int(name.removeprefix("gpt2-1e7-t")), batch or 8
+        data = [(torch.randint(0, 8192, (b, length)), torch.randint(0, 2, (b,)))
+                for _ in range(FRESH_BATCHES)]
+        model = Decoder(vocab=8192, width=384, layers=6, length=length, heads=6)
+        return Case(f"gpt2-14M-seq{length}", model, data, cross_entropy, nn.CrossEntropyLoss())
     if name in ("lstm", "gpt2"):
         b = batch or 64
         length = 32 if name == "lstm" else 64
@@ -209,7 +256,7 @@ def _make_case(name: str, batch: int | None) -> Case:
                 for _ in range(FRESH_BATCHES)]
         model, label = (Recurrent(), "lstm-128-seq32") if name == "lstm" else (Decoder(), "gpt2-2layer-seq64")
         return Case(label, model, data, cross_entropy, nn.CrossEntropyLoss())
-    raise ValueError(f"case: must be one of {CASES}, got {name!r}")
+    raise ValueError(f"case: must be one of {CASES + SCALE_CASES}, got {name!r}")
 
 
 def _training_step(module: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor],
@@ -508,6 +555,29 @@ def plot(records: Sequence[Record], path: str) -> None:
     axes[0].invert_yaxis()  # shared: the first method on top in every panel
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3)
     write_figure(path, fig, dpi=120)
+
+
+def sequence_scaling(records: Sequence[Record]) -> list[tuple[str, float, float | None]]:
+    """Per method, the exponents of time and peak memory in the sequence length T fitted (least squares in
+    log-log) over the records of one model at several lengths (the ``gpt2-1e7-t*`` cases): ``ms ~ T^a``."""
+    import numpy as np
+
+    by_method: dict[str, list[tuple[float, float, float | None]]] = {}
+    for r in records:
+        if r.dataset.startswith("gpt2-14M-seq") and "ms" in r.metrics:
+            length = float(r.dataset.split("/")[0].removeprefix("gpt2-14M-seq"))
+            by_method.setdefault(r.method, []).append((length, r.metrics["ms"], r.metrics.get("peak_mib")))
+    fits = []
+    for method, points in by_method.items():
+        if len({t for t, _, _ in points}) < 2:
+            continue
+        t = np.log([p[0] for p in points])
+        time_exponent = float(np.polyfit(t, np.log([p[1] for p in points]), 1)[0])
+        memory = [p[2] for p in points]
+        memory_exponent = (float(np.polyfit(t, np.log(memory), 1)[0])
+                           if all(m is not None and m > 0 for m in memory) else None)
+        fits.append((method, time_exponent, memory_exponent))
+    return fits
 
 
 def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, memory: bool = False,

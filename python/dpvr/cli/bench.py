@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.step import CASES
+from ..bench.step import CASES, SCALE_CASES
 from .flags import with_default
 
 
@@ -31,7 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--case",
-        choices=[*CASES, "all"],
+        choices=[*CASES, *SCALE_CASES, "all"],
         default="all",
         help=with_default(
             "step: the model (an MLP, a small CNN, a small transformer encoder, an LSTM classifier, a small "
@@ -41,6 +41,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"
+    )
+    p.add_argument(
+        "--scale", action="store_true",
+        help="step: the cases that grow instead (a 10^7-parameter MLP and ResNet-style CNN, a 1.4 * 10^7 "
+        "GPT-2 at sequence lengths 128, 512 and 1024; minutes), with time and memory fitted against T",
     )
     p.add_argument(
         "--logical", type=int, default=1024,
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "step":
         from ..bench import step
 
-        cases = step.CASES if args.case == "all" else (args.case,)
+        cases = (step.SCALE_CASES if args.scale else step.CASES) if args.case == "all" else (args.case,)
         records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
                            device=args.device)
         headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
@@ -77,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         metrics.append("skipped")
         if args.plot:
             step.plot(records, args.plot)
+        fits = step.sequence_scaling(records)
+        if fits:
+            print(format_table(["method", "time ~ T^a", "peak memory ~ T^b"],
+                               [[m, a, b] for m, a, b in fits]))
     elif args.what == "memory":
         from ..bench import memory
 
