@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -344,3 +345,22 @@ def test_every_problem_with_the_settings_is_listed_at_once_and_a_loaders_batch_s
         trainer = dpvr.make_private(_mlp(), nn.CrossEntropyLoss(), DataLoader(dataset, batch_size=50),
                                     algorithm="dp-sgd", epsilon=1.0, steps=2, lr=0.1, clip=1.0)
     assert trainer.algorithm.plan.batch_size == 50
+
+
+def test_each_step_reports_the_batchs_loss_except_under_the_last_iterate_bound(digits) -> None:
+    dataset, *_ = digits
+    model = _mlp()
+    trainer = dpvr.make_private(model, nn.CrossEntropyLoss(), dataset, algorithm="dp-sgd", epsilon=1.0,
+                                batch_size=64, steps=2, lr=0.1, clip=1.0, runtime=dpvr.RuntimeConfig(
+                                    sampler_seed=3, generator=dpvr.NoiseGenerator(3, reproducible=True)))
+    before = copy.deepcopy(model)
+    info = trainer.step()
+    again = dpvr.optim.sampling.BatchSampler("poisson", len(dataset), 64, seed=3).draw()  # the same draw
+    x, y = dataset.tensors
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(before(x[again]), y[again])
+    assert float(info["loss"]) == pytest.approx(float(expected), rel=1e-5)
+    cyclic = dpvr.make_private(_mlp(), nn.CrossEntropyLoss(), dataset, algorithm="last-iterate", epsilon=1.0,
+                               batch_size=100, steps=2, lr=0.01, clip=1.0, weak_convexity=1.0,
+                               smoothness=1.0)
+    assert "loss" not in cyclic.step()

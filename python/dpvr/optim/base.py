@@ -67,8 +67,9 @@ class PrivateAlgorithm:
 
     What the guarantee covers: the released iterates (or, for last-iterate algorithms, the last one). The
     dictionaries :meth:`step` returns are diagnostics for the data holder: entries such as ``nonfinite``
-    (samples dropped for non-finite gradients) are computed from the private data without noise and must
-    not be published; entries derived from released iterates (clip radii, step lengths) may be.
+    (samples dropped for non-finite gradients) and ``loss`` (the batch's mean loss) are computed from the
+    private data without noise and must not be published; entries derived from released iterates (clip
+    radii, step lengths) may be.
 
     Resuming (:meth:`load_state_dict`, :meth:`load_checkpoint`) is bound to the run. Protected:
 

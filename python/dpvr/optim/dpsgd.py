@@ -172,7 +172,10 @@ class DPSGD(PrivateAlgorithm):
         for s in self._sum:
             s.zero_()
         norms = None if self.clipping else torch.empty(len(inputs), dtype=self._sum[0].dtype)
-        dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms)
+        # The batch's mean loss, from the pass that clipped it (not under the last-iterate bound: it is read
+        # at an intermediate iterate).
+        losses = None if self.last_iterate_only else self._sum[0].new_empty(len(inputs))
+        dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms, losses=losses)
         if norms is not None and not bool((norms <= self.clip).all()):
             raise RuntimeError(
                 f"{self.name}: clipping=False asserted per-example gradient norms <= {self.clip:g}, but a "
@@ -186,6 +189,8 @@ class DPSGD(PrivateAlgorithm):
         proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
         info = {"batch": len(inputs), "nonfinite": dropped}
+        if losses is not None and len(inputs):
+            info["loss"] = losses.mean().detach()  # a 0-d tensor: reading it waits for the device
         # A last-iterate run's step length would reveal an intermediate iterate; an optimizer's is unmeasured.
         if not self.last_iterate_only and math.isfinite(self.x.move):
             info["move"] = self.x.move

@@ -149,20 +149,27 @@ class ClippedGradients:
         point: Sequence[torch.Tensor] | None = None,
         norms: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
+        losses: torch.Tensor | None = None,
     ) -> int:
         """``out += sum_i clip_C(w_i grad l(point; z_i))`` (``weights`` ``w`` scale before the norm; default
-        1); returns the number of non-finite samples."""
+        1); returns the number of non-finite samples. ``norms`` and ``losses``, when given, receive each
+        sample's gradient norm and loss (from the pass that formed the sum: no extra work)."""
         if len(inputs) == 0:
             return 0
         if self._ghost is not None:
             dropped = 0
-            for x, t, w, n in self._micro_batches(inputs, targets, weights, norms):
+            for x, t, w, n, loss in self._micro_batches(inputs, targets, weights, norms, losses):
                 result = self._ghost.clipped_sum(x, t, clip, weights=w, params=point)
                 dropped += self._add(result.sums, result.norms, out, n)
+                if loss is not None:
+                    loss.copy_(result.losses)
             return self._dropped(dropped, len(inputs))
-        grads = per_sample_grads(
-            self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size
+        grads, each = per_sample_grads(
+            self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size,
+            return_loss=True,
         )
+        if losses is not None:
+            losses.copy_(each)
         count = ops.clip_accumulate(
             grads, clip, list(out), weights=weights, norms=norms, nonfinite=self.nonfinite
         )
