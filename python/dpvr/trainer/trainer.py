@@ -29,6 +29,7 @@ from .checks import PROBE, check_model
 from .collate import check_collate
 from .data import dataset_records
 from .losses import check_separable, per_sample
+from .parallel import DataParallel
 
 
 class _FrontDoor(Sequence[str]):
@@ -68,6 +69,7 @@ def make_private(
     steps: int | None = None,
     accountant: str | None = None,
     runtime: RuntimeConfig | None = None,
+    process_group: Any = None,
     **settings: Any,
 ) -> PrivateTrainer:
     """A :class:`PrivateTrainer` that trains ``module`` with ``algorithm`` at ``(epsilon, delta)``-DP.
@@ -94,6 +96,11 @@ def make_private(
       full batch (``"dp-gd"``, ``"diff2"``, ``sampling="full"``); the SPIDERs take ``steps``.
     - ``accountant``: ``"rdp"`` or ``"pld"``; default the tightest the algorithm's plan allows (PLD wherever
       its releases are Gaussian on Poisson, fixed-size or full batches).
+    - ``process_group``: a ``torch.distributed`` group to train data-parallel over (default: the initialised
+      default group when it has more than one process): one logical run, every process drawing the same
+      batches and noise, loading and clipping its share of each batch, the clipped sums all-reduced
+      (:mod:`dpvr.trainer.parallel`; ``dp-sgd`` and ``dp-gd``). Pass the plain module, not a
+      ``DistributedDataParallel`` wrapper.
     - ``settings``: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
       its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to ``epsilon``.
 
@@ -134,6 +141,9 @@ def make_private(
     if not params:
         raise ValueError("module: has no trainable parameters")
     dtype, device = params[0].dtype, params[0].device
+    parallel = DataParallel.detect(process_group)
+    if parallel is not None:
+        parallel.check(algorithm, module)
     minimax = spec.problem == "minimax"
     if minimax != isinstance(criterion, MinimaxProblem):
         raise TypeError(
@@ -161,6 +171,8 @@ def make_private(
         settings["optimizer"] = optimizer
     _check_settings(spec, cls, n, settings, batch_size=batch_size, epochs=epochs, steps=steps)
     runtime = runtime or RuntimeConfig()
+    if parallel is not None:  # one sampler seed and one noise generator for every process
+        runtime = parallel.runtime(runtime)
     probe = list(records[0].probe(PROBE))
     loss = criterion if minimax else per_sample(criterion)
     # On a copy of the model, before anything runs on the user's own (its forward could write into it).
@@ -183,8 +195,12 @@ def make_private(
         **settings,
     }
     # One client per dataset given to a federated algorithm.
+    if parallel is not None:  # each process loads its share of every batch drawn
+        records = [parallel.records(r) for r in records]
     private: PrivateAlgorithm = cls(module, loss, records if spec.federated else records[0], **arguments)
-    return PrivateTrainer(private, steps_per_epoch=per_epoch)
+    if parallel is not None:  # ... and the clipped sums are the whole batch's
+        private.gradients = parallel.gradients(private.gradients)
+    return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel)
 
 
 def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: Mapping[str, Any], *,
@@ -254,8 +270,9 @@ class PrivateTrainer:
     only by the plain composition of its passes (``bound="composition"``), above the last-iterate bound.
     """
 
-    def __init__(self, algorithm: PrivateAlgorithm, *, steps_per_epoch: int = 1) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: PrivateAlgorithm, *, steps_per_epoch: int = 1,
+                 parallel: DataParallel | None = None) -> None:
+        self.algorithm, self.parallel = algorithm, parallel
         self.model = algorithm.model
         self.steps_per_epoch = steps_per_epoch
         self._evaluations: list[tuple[int, Evaluation]] = []
@@ -333,7 +350,15 @@ class PrivateTrainer:
         self.algorithm.load_state_dict(state)
 
     def save_checkpoint(self, path: str) -> None:
-        self.algorithm.save_checkpoint(path)
+        """Writes the run's checkpoint (:meth:`dpvr.optim.PrivateAlgorithm.save_checkpoint`); in a
+        data-parallel run, rank 0 writes it, the others wait for it."""
+        if self.parallel is None or self.parallel.rank == 0:
+            self.algorithm.save_checkpoint(path)
+        if self.parallel is not None:
+            torch.distributed.barrier(group=self.parallel.group)
 
     def load_checkpoint(self, path: str) -> None:
+        if self.parallel is not None:
+            raise ValueError("load_checkpoint: resuming a data-parallel run is not supported yet (each "
+                             "process would start a new segment of its own); resume it in one process")
         self.algorithm.load_checkpoint(path)
