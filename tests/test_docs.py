@@ -101,8 +101,8 @@ def test_every_public_name_has_a_reference_entry() -> None:
         module, _, attribute = documented[name].rpartition(".")
         if name != "__version__":
             value = getattr(dpvr, name)
-            if isinstance(value, types.ModuleType):  # dpvr.audit: the subpackage, once imported, hides the
-                value = getattr(value, name)  # function __all__ names (the reference documents the function)
+            if isinstance(value, types.ModuleType):  # dpvr.audit is the subpackage; its reference entry is
+                value = getattr(value, name)  # its function of the same name
             assert getattr(importlib.import_module(module), attribute) is value, documented[name]
 
 

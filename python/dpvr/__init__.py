@@ -41,7 +41,9 @@ def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(_LAZY[name])
+        # A subpackage (``dpvr.audit``) is the name itself: once imported, it is the attribute anyway.
+        value = module if _LAZY[name] == f"{__name__}.{name}" else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'dpvr' has no attribute {name!r}")
