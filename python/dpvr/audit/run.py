@@ -59,6 +59,24 @@ def audit(
     Every run gets fresh noise: from the operating system by default, or — with ``seed`` — a reproducible
     noise and sampler seed per run derived from it (``reproducible=True``; the audit is then replayable, and
     the runs are still independent). ``progress`` is called with the number of runs done.
+
+    Args:
+        game: the game to play, e.g. ``dpvr.audit.TARGETS["dp-gd"].make(epsilon, delta)``.
+        trials: the number of runs (at least 4), half with the canary and half on the neighbour.
+        confidence: the confidence of the lower bound, in (0, 1).
+        seed: derives every run's noise and sampler seed (replayable audits); default fresh OS entropy.
+        progress: called with the number of runs done.
+
+    Returns:
+        An :class:`AuditResult`: the claimed epsilon (the algorithm's own accountant) and the lower bound.
+
+    Raises:
+        ValueError: fewer than 4 trials, or a confidence outside (0, 1).
+
+    Guarantee:
+        ``epsilon_lower_bound`` is a lower bound on the true epsilon at ``delta`` with probability at least
+        ``confidence`` (Clopper–Pearson on both error rates of a threshold chosen on the other half of the
+        runs). A bound above the claim refutes it; a bound below it proves nothing about privacy.
     """
     if trials < 4:
         raise ValueError(f"trials: at least 4, got {trials}")

@@ -13,6 +13,7 @@ from .dataset import Dataset, Task
 from .idx import FASHION_MNIST_CLASSES, MNIST_CLASSES, read_idx, read_mnist
 from .imbalance import binarize, long_tail, split_classes, subsample_to_ratio
 from .libsvm import read_libsvm
+from .mnist1d import load_mnist1d
 from .preprocess import (
     PUBLIC_FRACTION,
     UNIT_NORM,
@@ -44,6 +45,7 @@ __all__ = [
     "Task",
     "binarize",
     "load",
+    "load_mnist1d",
     "long_tail",
     "read_csv",
     "read_idx",

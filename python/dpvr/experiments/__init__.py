@@ -26,6 +26,7 @@ EXPERIMENTS: dict[str, str] = {
     "transfer": "dpvr.experiments.transfer",
     "wgan": "dpvr.experiments.wgan",
     "td": "dpvr.experiments.td",
+    "scaling": "dpvr.experiments.scaling",
 }
 """Experiment name -> module that implements it."""
 

@@ -107,6 +107,12 @@ def make_private(
     The noise is calibrated so that the whole planned run spends ``epsilon``; a release that would exceed it
     raises :class:`~dpvr.optim.BudgetExhaustedError` before it happens.
 
+    Which algorithm (measured, ``dpvr experiment scaling``: MNIST-1D, d of 700-800, n from 4k to 256k,
+    epsilon 1 and 4, five paired seeds): DIFF2-GD's gradient norm is about 10 % below DP-GD's only from
+    n = 64k, with equal test accuracy at every n, and PrivateDiff never beats DP-SGDA up to 256k. So use
+    ``"dp-sgd"``/``"dp-gd"`` for minimisation and ``"dp-sgda"`` for minimax problems, and ``"diff2"`` when
+    stationarity at n >= 64k is the goal.
+
     Returns:
         A :class:`PrivateTrainer` around the calibrated algorithm (``trainer.algorithm``); nothing has run
         and nothing is released until it is stepped.

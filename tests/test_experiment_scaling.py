@@ -1,0 +1,94 @@
+"""``dpvr experiment scaling`` and its MNIST-1D data: deterministic local generation (never a download), the
+statistics of the answer, and a tiny run end to end."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mnist1d")
+
+from dpvr.cli.experiment import parse  # noqa: E402
+from dpvr.data import load, load_mnist1d  # noqa: E402
+from dpvr.data import mnist1d as m1d  # noqa: E402
+from dpvr.experiments import scaling  # noqa: E402
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """Small chunks in a private cache; any attempt to download fails the test."""
+    import mnist1d.data
+    import requests
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("MNIST-1D must be generated locally, never downloaded")
+
+    monkeypatch.setattr(mnist1d.data, "get_dataset", refuse)
+    monkeypatch.setattr(requests, "get", refuse)
+    monkeypatch.setattr(requests.Session, "request", refuse)
+    monkeypatch.setenv("DPVR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(m1d, "CHUNK", 200)
+    monkeypatch.setattr(m1d, "TEST_SIZE", 300)
+    monkeypatch.setattr(m1d, "VALIDATION_SIZE", 200)
+    return tmp_path / "cache"
+
+
+def test_generation_is_deterministic_nested_local_and_leaves_numpy_state_alone(offline):
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+    first = load_mnist1d(300, "train", cache=False)
+    assert np.array_equal(np.random.get_state()[1], before)
+    again = load_mnist1d(300, "train", cache=False)
+    assert np.array_equal(first.features, again.features) and np.array_equal(first.targets, again.targets)
+    assert first.features.shape == (300, 40) and first.features.dtype == np.float64
+    assert set(np.unique(first.targets)) <= set(range(10)) and first.num_classes == 10
+    smaller = load_mnist1d(150, "train")  # nested: the first records of the larger set; now cached
+    assert np.array_equal(smaller.features, first.features[:150])
+    assert any(name.endswith(".npz") for name in os.listdir(offline / "mnist1d"))
+    assert np.array_equal(load_mnist1d(150, "train").features, smaller.features)  # from the cache
+    public = load_mnist1d(300, "public")
+    assert not np.allclose(public.features[:10], first.features[:10])  # its own seeds
+    assert len(load_mnist1d(300, "test")) == 300 and len(load_mnist1d(10, "validation")) == 200
+    assert np.array_equal(load_mnist1d(10, "test").features, load_mnist1d(300, "test").features)
+    via_registry = load("mnist1d-300", split="train")  # a name any size can take
+    assert np.array_equal(via_registry.features, first.features)
+    with pytest.raises(ValueError, match="split"):
+        load_mnist1d(10, "everything")  # type: ignore[arg-type]
+
+
+def test_crossover_and_exponent():
+    assert scaling.crossover([1, 2, 4], [0.5, 0.01, 0.02]) == 2
+    assert scaling.crossover([1, 2, 4], [0.01, 0.5, 0.02]) == 4
+    assert scaling.crossover([1, 2, 4], [0.01, 0.01, 0.2]) is None
+    assert scaling.fitted_exponent([1, 4, 16], [1.0, 0.5, 0.25]) == pytest.approx(-0.5)
+    summary = scaling.paired_summary([1.0, 2.0, 3.0], [2.0, 3.5, 4.0], lower_is_better=True)
+    assert summary["mean"] == pytest.approx(-3.5 / 3)
+    assert summary["ci_low"] < summary["mean"] < summary["ci_high"]
+    assert summary["p"] < 0.05
+    assert scaling.paired_summary([1.0, 2.0, 3.0], [2.0, 3.5, 4.0], lower_is_better=False)["p"] > 0.5
+
+
+@pytest.mark.slow  # an experiment end to end (about 50 s on two shared cores)
+def test_tiny_run_end_to_end(offline, tmp_path):
+    out = tmp_path / "out"
+    options = ["--quick", "--sizes", "64", "128", "--seeds", "2", "--rounds", "3", "--steps", "2",
+               "--epsilon", "4", "--out", str(out)]
+    doc = scaling.run(parse("scaling", options))
+    assert len(doc["records"]) == 2 * 2 * 2 * 2  # papers x sizes x methods x seeds
+    for record in doc["records"]:
+        assert record["spent_epsilon"] <= 4 + 1e-6
+        assert record["metrics"]["diagnostics"]["private"] is False
+        assert math.isfinite(record["metrics"]["diagnostics"]["grad_norm"])
+    for key in ("diff2/eps4", "privatediff/eps4"):
+        found = doc["analysis"][key]
+        assert [row["n"] for row in found["rows"]] == [64, 128]
+        assert set(found["exponent"]) == set(scaling.PAPERS[key.split("/")[0]])
+    for name in ("scaling.json", "scaling.csv", "scaling-diff2.png", "scaling-privatediff.png"):
+        assert (out / name).is_file()
+    assert json.loads((out / "scaling.json").read_text())["experiment"] == "scaling"
+    cells = sorted(os.listdir(out / "cells"))
+    assert len(cells) == 4
+    again = scaling.run(parse("scaling", options))  # every cell read back, nothing recomputed
+    assert json.dumps(again["analysis"]) == json.dumps(doc["analysis"])
