@@ -447,8 +447,8 @@ def _algorithms():
     }
 
 
-ALGORITHMS = ["cyclic", "random-allocation", "double-spider", "recursive-spider", "dp-sgda", "private-diff",
-              "private-diff-output"]
+ALGORITHMS = ["cyclic", "random-allocation", pytest.param("double-spider", marks=pytest.mark.slow),  # 20 s
+              "recursive-spider", "dp-sgda", "private-diff", "private-diff-output"]
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
