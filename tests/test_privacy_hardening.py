@@ -101,7 +101,7 @@ def _noise_of_first_step(alg, noiseless):
     """The noise the first release added, in units of its std: (x_noisy - x_noiseless) / (lr sigma)."""
     alg.step()
     noiseless.step()
-    sigma = alg.noise["gradient"] * alg.clip / len(alg.inputs)
+    sigma = alg.noise["gradient"] * alg.clip / len(alg.records)
     return torch.cat([(p - q).detach().reshape(-1) for p, q in zip(alg.params, noiseless.params)]) / (
         alg.lr * sigma
     )

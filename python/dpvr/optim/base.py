@@ -28,7 +28,7 @@ from ..problems import LossFn
 from .binding import bind_run, canonical, data_fingerprint, digest
 from .config import PrivacyConfig, RuntimeConfig, bound_fields
 from .guard import BudgetExhaustedError as BudgetExhaustedError  # re-exported
-from .guard import PrivacyGuard, resolve_noise, tightest_accountant
+from .guard import Guarded, PrivacyGuard, resolve_noise, tightest_accountant
 from .ledger import Release, RunLedger
 from .records import Records, records_fingerprint
 from .sampling import BatchSampler
@@ -42,7 +42,7 @@ _CONFIGS = ("privacy", "runtime")
 PrivateData = str | Records | Sequence[Records] | Sequence[torch.Tensor]
 
 
-class PrivateAlgorithm:
+class PrivateAlgorithm(Guarded):
     """Base of the DP algorithms (see the module documentation).
 
     Subclasses pass to ``__init__`` their ``plan`` (the :mod:`dpvr.privacy.events` description of the run,
@@ -148,23 +148,6 @@ class PrivateAlgorithm:
         self.optimizer: torch.optim.Optimizer | None = None  # set by algorithms that step with one
         # The generator's keys and the run's ledger, from the binding: complete here (settings, data).
         self._bind_noise()
-
-    # The guard's parts, as attributes of the algorithm.
-    @property
-    def accountant(self) -> Accountant:
-        return self.guard.accountant
-
-    @property
-    def generator(self) -> NoiseGenerator:
-        return self.guard.generator
-
-    @generator.setter
-    def generator(self, generator: NoiseGenerator) -> None:
-        self.guard.generator = generator
-
-    @property
-    def ledger(self) -> RunLedger:
-        return self.guard.ledger
 
     @property
     def epsilon_budget(self) -> float | None:

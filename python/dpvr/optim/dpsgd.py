@@ -156,16 +156,6 @@ class DPSGD(PrivateAlgorithm):
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: the noisy clipped mean
 
-    @property
-    def inputs(self) -> torch.Tensor:
-        """The inputs tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
-        return self.records.inputs
-
-    @property
-    def targets(self) -> torch.Tensor:
-        """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
-        return self.records.targets
-
     def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
         inputs, targets = self.records.draw(self.sampler)

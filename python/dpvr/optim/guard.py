@@ -249,3 +249,26 @@ class PrivacyGuard:
 
 
 __all__ = ["BudgetExhaustedError", "PrivacyGuard", "resolve_noise", "tightest_accountant"]
+
+
+class Guarded:
+    """For what holds a :class:`PrivacyGuard` as ``self.guard``: its accountant, noise generator and run
+    ledger as attributes of the holder (an algorithm, the phased framework)."""
+
+    guard: PrivacyGuard
+
+    @property
+    def accountant(self) -> Accountant:
+        return self.guard.accountant
+
+    @property
+    def generator(self) -> NoiseGenerator:
+        return self.guard.generator
+
+    @generator.setter
+    def generator(self, generator: NoiseGenerator) -> None:
+        self.guard.generator = generator
+
+    @property
+    def ledger(self) -> RunLedger:
+        return self.guard.ledger

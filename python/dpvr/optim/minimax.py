@@ -291,16 +291,6 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         """The records of the sampler's next batch, ``(inputs, targets)``."""
         return self.records.draw(self.sampler)
 
-    @property
-    def inputs(self) -> Tensor:
-        """The inputs tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
-        return self.records.inputs
-
-    @property
-    def targets(self) -> Tensor:
-        """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
-        return self.records.targets
-
     # ---- checkpoints ------------------------------------------------------------------------------------
     def _buffers(self) -> dict[str, list[Tensor]]:
         return {"y": [self.y]}

@@ -77,16 +77,6 @@ class _Spider(PrivateAlgorithm):
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self.x = Iterate(self.params)  # x_t and x_{t-1}
 
-    @property
-    def inputs(self) -> Tensor:
-        """The inputs tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
-        return self.records.inputs
-
-    @property
-    def targets(self) -> Tensor:
-        """The targets tensor of in-memory records (:class:`~dpvr.optim.records.TensorRecords`)."""
-        return self.records.targets
-
     def _draw(self, stream: str) -> Batch:
         """The records of ``stream``'s next batch, ``(inputs, targets)``."""
         return self.records.draw(self.samplers[stream])

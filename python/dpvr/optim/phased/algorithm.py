@@ -76,8 +76,7 @@ from ...privacy.mechanism import noise_dict
 from ...problems import FiniteSumProblem, check_problem
 from ..binding import bind_run, canonical, digest
 from ..config import PrivacyConfig, RuntimeConfig
-from ..guard import PrivacyGuard, tightest_accountant
-from ..ledger import RunLedger
+from ..guard import Guarded, PrivacyGuard, tightest_accountant
 from .problem import BaseSolver, CertificateError, PhaseProblem, split_rows
 from .solvers import KatyushaSolver, VRExtragradientSolver
 
@@ -242,7 +241,7 @@ def _positive(name: str, value: float | None) -> float | None:
     return value
 
 
-class PhasedOutputPerturbation:
+class PhasedOutputPerturbation(Guarded):
     """The phased output-perturbation framework for one ``setting`` (see the module documentation).
 
     Args:
@@ -377,19 +376,6 @@ class PhasedOutputPerturbation:
             ).items()
         }  # fmt: skip
         self.guard.ledger = bind_run(self.generator, self._binding)
-
-    # The guard's parts, as attributes.
-    @property
-    def accountant(self) -> Accountant:
-        return self.guard.accountant
-
-    @property
-    def generator(self) -> NoiseGenerator:
-        return self.guard.generator
-
-    @property
-    def ledger(self) -> RunLedger:
-        return self.guard.ledger
 
     # -- the phase loop ----------------------------------------------------------------------------------
 
