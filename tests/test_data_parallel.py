@@ -51,6 +51,12 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         sums = [torch.zeros(p.numel()) for p in trainer.model.parameters()]
         engine.sum(x[rank::world], y[rank::world], 0.5, sums)
         trainer.run()
+        stopped = _train(runtime=_runtime())  # the same run, stopped after two steps
+        stopped.run(2)
+        stopped.save_checkpoint(f"{out}.ckpt")  # rank 0 writes it, every rank waits
+        resumed = _train(runtime=_runtime())
+        resumed.load_checkpoint(f"{out}.ckpt")  # every rank loads it and goes on in step
+        resumed.run()
         refusals = []
         for attempt in (lambda: _train(module=nn.parallel.DistributedDataParallel(_model())),
                         lambda: _train(algorithm="dp-sgda"),
@@ -60,7 +66,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             except (ValueError, TypeError) as err:
                 refusals.append(str(err))
         torch.save({"params": [p.detach() for p in trainer.model.parameters()], "sums": sums,
-                    "epsilon": trainer.privacy_spent().epsilon, "refusals": refusals}, f"{out}-{rank}.pt")
+                    "epsilon": trainer.privacy_spent().epsilon, "refusals": refusals,
+                    "resumed": [p.detach() for p in resumed.model.parameters()],
+                    "resumed_epsilon": resumed.privacy_spent().epsilon}, f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -87,6 +95,10 @@ def test_two_processes_run_one_logical_run(tmp_path) -> None:
     ClippedGradients(model, per_sample(nn.CrossEntropyLoss())).sum(x, y, 0.5, expected)
     for got, want in zip(ranks[0]["sums"], expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Stopped after two steps, checkpointed by rank 0, resumed on both ranks: the uninterrupted run.
+    for r in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], ranks[0]["params"]))
+        assert r["resumed_epsilon"] == pytest.approx(r["epsilon"])
     messages = ranks[0]["refusals"]
     assert len(messages) == 3
     assert "DistributedDataParallel" in messages[0] and "ddp_model.module" in messages[0]

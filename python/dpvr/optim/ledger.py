@@ -136,6 +136,11 @@ class RunLedger:
             journal.clear()  # the file every checkpoint will name exists from the first one on
         self._file = journal
 
+    def detach(self) -> None:
+        """Stops writing to the file: in a data-parallel run every process numbers the same releases, and
+        one process (rank 0) writes them down."""
+        self._file = None
+
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the ledger: the run, segment, sequence number and file."""
         return {

@@ -21,8 +21,8 @@ Supported: the DP-SGD family (``dp-sgd``, ``dp-gd``), whose releases all go thro
 The other algorithms release quantities computed outside it (dual variables, y-gradients, the STORM
 estimate ``s``), which this split does not all-reduce: they are refused under a process group. A model
 already wrapped in ``DistributedDataParallel`` is refused: its own gradient all-reduce would run beside
-dpvr's. Resuming a data-parallel run from a checkpoint is not supported yet (a resumed run's new segment is
-drawn per process); resume it in one process.
+dpvr's. A checkpoint is written by rank 0 and loaded by every process (the same file): the re-run's segment
+derives from the shared seed, so the processes go on in step, and they are checked to agree.
 """
 
 from __future__ import annotations
@@ -95,6 +95,20 @@ class DataParallel:
                 "process (give both, equal everywhere, or neither: then rank 0 draws them for all)"
             )
         return runtime
+
+    def agree(self, algorithm: Any) -> None:
+        """Refuses to go on (``RuntimeError``) unless every process holds the same run: step, ledger position
+        and parameters (by digest)."""
+        digest = hashlib.sha256()
+        for p in algorithm.params:
+            digest.update(p.detach().cpu().numpy().tobytes())
+        ledger = algorithm.ledger
+        mine = (algorithm.steps_done, ledger.run, ledger.segment, ledger.seq, digest.hexdigest())
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        if any(other != mine for other in every):
+            raise RuntimeError(f"data-parallel run: the processes disagree after loading ({every}); load the "
+                               "same checkpoint file on every process")
 
     def records(self, records: Records) -> ShardedRecords:
         return ShardedRecords(records, self.rank, self.world)

@@ -364,7 +364,11 @@ class PrivateTrainer:
             torch.distributed.barrier(group=self.parallel.group)
 
     def load_checkpoint(self, path: str) -> None:
-        if self.parallel is not None:
-            raise ValueError("load_checkpoint: resuming a data-parallel run is not supported yet (each "
-                             "process would start a new segment of its own); resume it in one process")
+        """Restores a :meth:`save_checkpoint` file (:meth:`dpvr.optim.PrivateAlgorithm.load_checkpoint`). In
+        a data-parallel run every process loads the same file; each derives the same new segment from the
+        shared seed, rank 0 alone goes on writing the run's ledger, and the processes are checked to agree."""
         self.algorithm.load_checkpoint(path)
+        if self.parallel is not None:
+            if self.parallel.rank != 0:
+                self.algorithm.ledger.detach()
+            self.parallel.agree(self.algorithm)
