@@ -102,3 +102,12 @@ def test_the_memory_bench_times_each_method_at_each_physical_batch() -> None:
                   if r.method == "dpvr-dp-sgd-ghost"}
     assert dpvr_peaks[128] < dpvr_peaks[512]  # the micro-batch sets the peak
     assert all(r.metrics["ms"] > 0 for r in records if "skipped" not in r.metrics)
+
+
+@pytest.mark.slow  # spawns two processes
+def test_the_parallel_bench_times_one_and_two_processes() -> None:
+    from dpvr.bench import parallel
+
+    one, two = parallel.run(case="mlp", batch=64, steps=2)
+    assert one.metrics["ms"] > 0 and two.metrics["ms"] > 0
+    assert two.metrics["ratio_vs_one_process"] == pytest.approx(two.metrics["ms"] / one.metrics["ms"])

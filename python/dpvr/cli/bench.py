@@ -16,8 +16,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "what",
-        choices=["kernels", "step", "memory"],
-        help="the fused kernels, a full DP step, or one logical step at each physical batch size",
+        choices=["kernels", "step", "memory", "parallel"],
+        help="the fused kernels, a full DP step, one logical step at each physical batch size, or a "
+        "data-parallel step on two gloo processes against one process",
     )
     p.add_argument(
         "--device",
@@ -86,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
         if fits:
             print(format_table(["method", "time ~ T^a", "peak memory ~ T^b"],
                                [[m, a, b] for m, a, b in fits]))
+    elif args.what == "parallel":
+        from ..bench import parallel
+
+        records = parallel.run(case="mlp" if args.case == "all" else args.case, steps=args.repeats)
+        headers = ["case", "method", "ms", "x one process"]
+        metrics = ["ms", "ratio_vs_one_process"]
     elif args.what == "memory":
         from ..bench import memory
 
