@@ -186,13 +186,28 @@ def clip_accumulate(
     """``out[k] += sum_i c_i * w_i * grads[k][i]`` with ``c_i = min(1, C / ||w_i g_i||)``.
 
     The norm of sample i runs over all K tensors (the global per-sample gradient norm), so each sample's total
-    contribution has L2 norm at most ``clip`` — also after rounding to the output dtype. ``weights`` (shape
-    ``(B,)``) scale samples *before* the norm (DRO re-weighting). ``norms`` receives ``||w_i g_i||``.
+    contribution has L2 norm at most ``clip`` — also after rounding to the output dtype.
 
-    Non-finite samples (NaN/Inf in the gradient or weight): ``nonfinite="zero"`` drops them (their norm is
-    reported as NaN), ``"raise"`` raises ``FloatingPointError`` before writing anything.
+    Args:
+        grads: per-sample gradients, one array (or a list of K arrays, one per parameter tensor) with a
+            leading batch dimension ``B``; float32 or float64, all of one dtype and device.
+        clip: the clip radius ``C`` (L2, over all K tensors together).
+        out: the K accumulators (contiguous, writable, each of one sample's size), added to in place.
+        weights: per-sample scales ``w_i`` (shape ``(B,)``), applied *before* the norm (DRO re-weighting);
+            default 1.
+        norms: receives ``||w_i g_i||`` (shape ``(B,)``), NaN for a non-finite sample; default: not written.
+        nonfinite: what a non-finite sample (NaN/Inf in the gradient or weight) does: ``"zero"`` (default)
+            drops it (its norm is reported as NaN), ``"raise"`` raises before writing anything.
 
-    Returns the number of non-finite samples (an int on the host; a one-element int64 array on CUDA).
+    Returns:
+        The number of non-finite samples (an int on the host; a one-element int64 array on CUDA).
+
+    Raises:
+        FloatingPointError: a non-finite sample under ``nonfinite="raise"``
+            (:class:`dpvr.ops.NonFiniteError`).
+        ValueError: an unknown ``nonfinite`` policy, an empty list or batch, mismatched counts or shapes,
+            arrays on different devices, or a non-contiguous or read-only ``out``.
+        TypeError: a dtype other than float32/float64, mixed dtypes, or an unsupported array type.
     """
     return _clip(grads, None, clip, out, weights, None, norms, nonfinite, ("weights", "b"))
 
@@ -212,6 +227,26 @@ def clip_accumulate_diff(
 
     The difference is formed per sample before clipping (never the difference of clipped terms), so sample
     i's contribution has norm at most ``clip``. Otherwise as :func:`clip_accumulate`.
+
+    Args:
+        grads: per-sample gradients at the current point (as in :func:`clip_accumulate`).
+        grads_prev: per-sample gradients of the same samples at the previous point, one array per array
+            of ``grads``, of the same shapes.
+        clip: the clip radius ``C`` of each difference ``u_i``.
+        out: the accumulators, added to in place (as in :func:`clip_accumulate`).
+        a: per-sample weights of ``grads`` (shape ``(B,)``); default 1.
+        b: per-sample weights of ``grads_prev`` (shape ``(B,)``); default 1.
+        norms: receives ``||u_i||`` (shape ``(B,)``), NaN for a non-finite sample.
+        nonfinite: ``"zero"`` (default) or ``"raise"``, as in :func:`clip_accumulate`.
+
+    Returns:
+        The number of non-finite samples, as :func:`clip_accumulate`.
+
+    Raises:
+        FloatingPointError: a non-finite difference under ``nonfinite="raise"``.
+        ValueError: as :func:`clip_accumulate`, or ``grads_prev`` has a different number of arrays than
+            ``grads``.
+        TypeError: as :func:`clip_accumulate`.
     """
     return _clip(grads, grads_prev, clip, out, a, b, norms, nonfinite, ("a", "b"))
 
@@ -225,7 +260,23 @@ def per_sample_norms(
     b: Array | None = None,
 ) -> Any:
     """Writes ``||w_i g_i||`` (or ``||a_i g_i - b_i h_i||`` with ``grads_prev``; ``weights`` is ``a``) into
-    ``norms``; NaN marks a non-finite sample. Returns the non-finite count as :func:`clip_accumulate`."""
+    ``norms``; NaN marks a non-finite sample. Nothing is clipped or accumulated.
+
+    Args:
+        grads: per-sample arrays ``g_i`` with a leading batch dimension ``B`` (as in
+            :func:`clip_accumulate`); the norm runs over all of them together.
+        norms: the output, shape ``(B,)``, written in place.
+        grads_prev: per-sample arrays ``h_i`` of the same shapes: the norms are then of the differences.
+        weights: per-sample scales ``w_i`` (``a_i`` with ``grads_prev``), shape ``(B,)``; default 1.
+        b: per-sample scales ``b_i`` of ``grads_prev``, shape ``(B,)``; default 1.
+
+    Returns:
+        The non-finite count, as :func:`clip_accumulate` (non-finite samples are never raised on here).
+
+    Raises:
+        ValueError: invalid arrays (counts, shapes, devices), as :func:`clip_accumulate`.
+        TypeError: unsupported dtypes or array types, as :func:`clip_accumulate`.
+    """
     return _clip(grads, grads_prev, 1.0, None, weights, b, norms, "zero", ("weights", "b"))
 
 
@@ -248,9 +299,31 @@ def noisy_update(
     stream ``stream`` (one draw: the stream's step counter advances by one), then, when ``params`` is given,
     ``params_prev <- params`` (if given) and ``params <- params - lr * v``.
 
-    Returns ``||params_new - params_old||`` (a float on the host, a one-element float64 array on CUDA), or
-    ``None`` without ``params``. That norm is a function of released iterates only, which is what lets a
-    difference round use it as its next clip radius.
+    Args:
+        v: the estimator, one contiguous writable array or a list (one per parameter tensor), updated in
+            place.
+        generator: the :class:`~dpvr.NoiseGenerator` that draws ``xi``.
+        stream: the name of the generator's noise stream to draw from.
+        sigma: the noise standard deviation (absolute, not a multiplier); ``>= 0``, ``0`` draws nothing.
+        sum: the (clipped) signal added, one array per array of ``v``; default: none.
+        scale: the factor on ``sum`` (e.g. ``1 / b`` for a batch mean); default 1.
+        reset: start from zero instead of ``v`` (a refresh); default ``False``.
+        params: the parameters, stepped in place by ``-lr * v``; default: no step.
+        params_prev: receives the parameters before the step (needs ``params``).
+        lr: the step size of the parameter step; default 0.
+
+    Returns:
+        ``||params_new - params_old||`` (a float on the host, a one-element float64 array on CUDA), or
+        ``None`` without ``params``. That norm is a function of released iterates only, which is what lets
+        a difference round use it as its next clip radius.
+
+    Raises:
+        ValueError: a non-finite ``sigma``, ``scale`` or ``lr``, a negative ``sigma``, ``params_prev``
+            without ``params``, mismatched array counts or sizes, read-only or non-contiguous arrays, or a
+            bound generator drawing for device arrays outside a named release
+            (:meth:`NoiseGenerator.for_release`).
+        TypeError: ``generator`` is not a :class:`~dpvr.NoiseGenerator`, or an unsupported dtype or array.
+        RuntimeError: the generator's stream has used all its steps.
     """
     call = _Call()
     vs = _as_list(v, "v")
@@ -331,7 +404,20 @@ def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
 
 
 def add_noise(out: Array | Sequence[Array], sigma: float, *, generator: NoiseGenerator, stream: str) -> None:
-    """``out += sigma * xi``, ``xi ~ N(0, I)`` from one draw of ``generator``'s stream ``stream``."""
+    """``out += sigma * xi``, ``xi ~ N(0, I)`` from one draw of ``generator``'s stream ``stream``.
+
+    Args:
+        out: the array (or list of arrays) the noise is added to in place; float32 or float64, contiguous.
+        sigma: the noise standard deviation (absolute); ``>= 0``, ``0`` adds nothing.
+        generator: the :class:`~dpvr.NoiseGenerator` that draws ``xi``.
+        stream: the name of the generator's noise stream (its step counter advances by one).
+
+    Raises:
+        ValueError: a non-finite or negative ``sigma``, invalid arrays, or a bound generator outside a
+            named release, as :func:`noisy_update`.
+        TypeError: ``generator`` is not a :class:`~dpvr.NoiseGenerator`, or an unsupported array.
+        RuntimeError: the generator's stream has used all its steps.
+    """
     noisy_update(out, generator=generator, stream=stream, sigma=sigma)
 
 

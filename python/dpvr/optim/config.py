@@ -23,24 +23,32 @@ CALIBRATIONS = ("tight", "paper")
 class PrivacyConfig:
     """The privacy target and how it is accounted.
 
-    - ``epsilon``: the budget. With ``noise`` not given, the algorithm calibrates its noise so that the
-      planned run spends exactly this; in every case a release that would exceed it raises
-      :class:`~dpvr.optim.BudgetExhaustedError` before it happens. ``None``: no budget (``noise`` required).
-    - ``delta``: the target delta of every report and of the budget.
-    - ``accountant``: ``"rdp"`` or ``"pld"`` (dp_accounting's, with dpvr's PLDs for fixed-size batches and
-      random allocation), the one that records and calibrates the run; ``None`` (default): the tightest the
-      run's plan supports: PLD when it prices every release (Gaussians on Poisson, fixed-size-without-
-      replacement, random-allocation and full batches), else RDP (e.g. the last-iterate bounds' RDP curves,
-      a fixed-size batch of a non-Gaussian release). For fixed-size batches RDP needs about twice PLD's
-      noise; ``"rdp"`` stays available, and is faster to calibrate (milliseconds against a few tenths of a
-      second).
-    - ``calibration``: ``"tight"`` (the accountant's smallest noise for ``epsilon``) or ``"paper"`` (the
-      paper's closed form, where the algorithm has one; ``paper_options`` are its constants, e.g. DIFF2's
-      ``{"u": 1.25}``).
-    - ``shares``: how a multi-stream calibration splits the budget (``{stream: weight}``); default equal;
-      ``"auto"``: the split that minimises the error proxy of :mod:`dpvr.privacy.allocation` (public inputs).
-    - ``neighbouring``: ``"replace-one"`` or ``"add-remove"``; ``None`` takes the algorithm's default (the
-      relation its paper states, or add/remove for Poisson DP-SGD).
+    Attributes:
+        epsilon: the budget. With ``noise`` not given, the algorithm calibrates its noise so that the planned
+            run spends exactly this; in every case a release that would exceed it raises
+            :class:`~dpvr.optim.BudgetExhaustedError` before it happens. ``None`` (default): no budget
+            (``noise`` required).
+        delta: the target delta of every report and of the budget; default ``1e-5``.
+        accountant: ``"rdp"`` or ``"pld"`` (dp_accounting's, with dpvr's PLDs for fixed-size batches and
+            random allocation), the one that records and calibrates the run; ``None`` (default): the tightest
+            the run's plan supports: PLD when it prices every release (Gaussians on Poisson,
+            fixed-size-without-replacement, random-allocation and full batches), else RDP (e.g. the
+            last-iterate bounds' RDP curves, a fixed-size batch of a non-Gaussian release). For fixed-size
+            batches RDP needs about twice PLD's noise; ``"rdp"`` stays available, and is faster to calibrate
+            (milliseconds against a few tenths of a second).
+        calibration: ``"tight"`` (default: the accountant's smallest noise for ``epsilon``) or ``"paper"``
+            (the paper's closed form, where the algorithm has one).
+        shares: how a multi-stream calibration splits the budget (``{stream: weight}``); ``None`` (default):
+            equal; ``"auto"``: the split that minimises the error proxy of :mod:`dpvr.privacy.allocation`
+            (public inputs).
+        neighbouring: ``"replace-one"`` or ``"add-remove"``; ``None`` (default) takes the algorithm's default
+            (the relation its paper states, or add/remove for Poisson DP-SGD).
+        paper_options: the constants of ``calibration="paper"``'s closed form, e.g. DIFF2's ``{"u": 1.25}``;
+            default none.
+
+    Raises:
+        ValueError: ``epsilon <= 0``, ``delta`` outside ``(0, 1)``, or an unknown ``accountant`` or
+            ``calibration``.
     """
 
     epsilon: float | None = None
@@ -66,18 +74,25 @@ class PrivacyConfig:
 class RuntimeConfig:
     """How the algorithm computes; none of it changes the privacy guarantee.
 
-    - ``grad_mode``: ``"auto"`` (ghost clipping where the model allows, materialised per-sample gradients for
-      the rest), ``"ghost"`` or ``"materialised"``;
-    - ``chunk_size``: the physical batch: every clipped sum is formed this many records at a time, in every
-      gradient mode (ghost included), so that a step's peak memory is a micro-batch's whatever the logical
-      (accounted) batch; the clipped sums add up over micro-batches and each logical step is still one
-      release;
-    - ``generator``: the noise source (:class:`~dpvr.NoiseGenerator`); default: seeded from the operating
-      system. The algorithm binds it to its run, so give each algorithm its own;
-    - ``sampler_seed``: fixes the batch sampling for reproducibility; default: seeded from the operating
-      system (sampling is part of the mechanism: a known seed voids amplification by sampling);
-    - ``nonfinite``: a record whose contribution is not finite contributes zero (``"zero"``: keeps every
-      sensitivity bound) or raises :class:`dpvr.ops.NonFiniteError` (``"raise"``: for debugging only).
+    Attributes:
+        grad_mode: ``"auto"`` (default: ghost clipping where the model allows, materialised per-sample
+            gradients for the rest), ``"ghost"`` or ``"materialised"``.
+        chunk_size: the physical batch, in records: every clipped sum is formed this many records at a time,
+            in every gradient mode (ghost included), so that a step's peak memory is a micro-batch's whatever
+            the logical (accounted) batch; the clipped sums add up over micro-batches and each logical step
+            is still one release. ``None`` (default): the whole batch at once.
+        generator: the noise source (:class:`~dpvr.NoiseGenerator`); ``None`` (default): seeded from the
+            operating system. The algorithm binds it to its run, so give each algorithm its own.
+        sampler_seed: fixes the batch sampling for reproducibility; ``None`` (default): seeded from the
+            operating system (sampling is part of the mechanism: a known seed voids amplification by
+            sampling).
+        nonfinite: a record whose contribution is not finite contributes zero (``"zero"``, default: keeps
+            every sensitivity bound) or raises :class:`dpvr.ops.NonFiniteError` (``"raise"``: for debugging
+            only).
+
+    Raises:
+        ValueError: an unknown ``grad_mode`` or ``nonfinite`` policy, or ``chunk_size < 1``.
+        TypeError: ``generator`` is not a :class:`~dpvr.NoiseGenerator`.
     """
 
     grad_mode: str = "auto"

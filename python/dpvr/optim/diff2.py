@@ -135,10 +135,8 @@ def _client_records(p: int, shard: Shard | Records) -> Records:
 class DIFF2(PrivateAlgorithm):
     """DIFF2 with the GD routine (DIFF2-GD, Algorithms 1 and 3) or the BVR-L-SGD routine (Algorithm 4).
 
-    ``clients`` is a list of ``(inputs, targets)`` shards (or :class:`~dpvr.optim.records.Records`, e.g. a
-    user's ``Dataset`` loaded batch by batch), one per client, or a :class:`ClientTransport` that reaches
-    clients elsewhere (:mod:`dpvr.distributed`); the objective is the unweighted mean of the
-    clients' empirical risks. Round ``r`` (1-based) at ``x_{r-1}``, with the estimator ``v``:
+    The objective is the unweighted mean of the ``P`` clients' empirical risks (``clients``). Round ``r``
+    (1-based) at ``x_{r-1}``, with the estimator ``v``:
 
     - restart rounds (``(r - 1) % restart == 0``): ``v = mean_p ClippedMean_p(x_{r-1}; C1)
       + N(0, (sigma1 C1)^2 I)``, each client's full-batch mean of per-sample gradients clipped to
@@ -157,25 +155,60 @@ class DIFF2(PrivateAlgorithm):
     :class:`~dpvr.optim.estimator.Radius`), which the paper does not do; it keeps a large step from inflating
     the next round's noise.
 
-    Privacy (record-level, replace-one, w.r.t. each client's data; Prop. 4.1 / E.2): the clip radii are
-    functions of released iterates only and every noise std scales with its radius, so each round is a
-    Gaussian release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for
-    local steps, ``sigma`` the paper's noise on the averaged mean). All streams are recorded in one
-    accountant as they happen. Give ``noise={"restart": z1, "difference": z2[, "local": z3]}`` (noise
-    multipliers), ``noise=PaperSigmas(restart=sigma1, ...)`` (the paper's sigmas), or
-    ``privacy.epsilon`` to calibrate them jointly (``calibration="tight"``) or by Proposition 4.1
-    (``"paper"``, with ``paper_options={"u": ...}``). Each client's mean divides by its shard size: public
-    under replace-one, the only relation DIFF2 is accounted under.
-
     Output: the last iterate (the model's parameters); ``output="random"`` (GD routine) keeps the paper's
     uniformly random iterate ``x_{r-1}``, ``r ~ Unif[R]``, in :attr:`output_params`.
 
     Cost: in a full-batch difference round the previous iterate's activations and output gradients on the
     same records were recorded by the previous round, so ghost clipping keeps that recording and the round
-    costs one forward and one backward pass (``reuse_recording``; default: on for the GD routine, whose
-    rounds are all full-batch). A recording is reused only for the same records at bit-identical parameter
-    values, else recomputed (after a restore, once); ``reuse_recording=False`` always recomputes, saving
-    the memory of one recording and one copy of the parameters per client.
+    costs one forward and one backward pass (``reuse_recording``). A recording is reused only for the same
+    records at bit-identical parameter values, else recomputed (after a restore, once).
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are ``x``.
+        loss_fn: the per-record loss ``(output, target) -> scalar``.
+        clients: a list of ``(inputs, targets)`` shards (or :class:`~dpvr.optim.records.Records`, e.g. a
+            user's ``Dataset`` loaded batch by batch), one per client (``P`` of them), or a
+            :class:`ClientTransport` that reaches clients elsewhere (:mod:`dpvr.distributed`); the objective
+            is the unweighted mean of the clients' empirical risks.
+        lr: the step size of ``x_r = x_{r-1} - lr v``; required without ``optimizer``, not given with one.
+        steps: the number of rounds ``R``.
+        restart: the restart period ``T``: round ``r`` is a restart round when ``(r - 1) % restart == 0``.
+        clip: ``{"restart": C1, "difference": C2[, "local": C3]}``: ``C1`` the per-sample gradient radius,
+            ``C2`` and ``C3`` the difference radii per unit of movement (``"local"`` exactly with
+            ``"bvr-l-sgd"``).
+        noise: the noise multipliers ``{"restart": z1, "difference": z2[, "local": z3]}``, or
+            ``PaperSigmas(restart=sigma1, ...)`` (the paper's sigmas); ``None``: calibrated from
+            ``privacy.epsilon`` jointly (``calibration="tight"``) or by Proposition 4.1 (``"paper"``, with
+            ``paper_options={"u": ...}``).
+        routine: ``"gd"`` (default, DIFF2-GD) or ``"bvr-l-sgd"``.
+        local_steps: the steps per round; 1 (default) for ``"gd"``, ``>= 2`` for ``"bvr-l-sgd"``.
+        local_batch: the records (without replacement) of each BVR-L-SGD local step; needed for it.
+        output: ``"last"`` (default) or ``"random"`` (GD routine only; see Output).
+        max_radius: the cap on every difference radius; default ``2 C1``.
+        optimizer: a ``torch.optim.Optimizer`` that steps on the gradient ``v`` instead of the SGD step (GD
+            routine only; ``C_r`` is then measured on the parameters it produced).
+        privacy: the :class:`~dpvr.optim.PrivacyConfig` (budget, delta, accountant, calibration).
+        runtime: the :class:`~dpvr.optim.RuntimeConfig`.
+        reuse_recording: keep each client's ghost-clipping recording for the next full-batch round (see
+            Cost); default: on for the GD routine, whose rounds are all full-batch. ``False`` always
+            recomputes, saving the memory of one recording and one copy of the parameters per client.
+
+    Raises:
+        ValueError: no clients, or a client with empty or mismatched inputs and targets; an unknown
+            ``routine``; ``local_steps != 1`` with ``"gd"``; ``"bvr-l-sgd"`` without ``local_steps >= 2`` and
+            ``local_batch``; an ``output`` other than ``"last"``, or ``"random"`` with ``"bvr-l-sgd"``;
+            ``optimizer`` with ``"bvr-l-sgd"``; a bad ``lr``; ``clip`` without exactly the routine's streams,
+            or a radius ``<= 0``; noise that is neither given nor calibratable.
+        TypeError: ``clients`` given as one ``(inputs, targets)`` pair or one ``Records`` (wrap it in a
+            list), ``clip`` not a mapping, or ``privacy``/``runtime``/``optimizer`` of the wrong type.
+
+    Guarantee:
+        Record-level, replace-one, w.r.t. each client's data (Prop. 4.1 / E.2): the clip radii are functions
+        of released iterates only and every noise std scales with its radius, so each round is a Gaussian
+        release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for local
+        steps, ``sigma`` the paper's noise on the averaged mean). All streams are recorded in one accountant
+        as they happen, behind the budget guard. Each client's mean divides by its shard size: public under
+        replace-one, the only relation DIFF2 is accounted under.
     """
 
     name = "DIFF2"

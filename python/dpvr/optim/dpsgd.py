@@ -28,42 +28,75 @@ class DPSGD(PrivateAlgorithm):
     :class:`~dpvr.optim.records.Records` given as ``inputs`` (``targets`` omitted), e.g. a user's ``Dataset``
     loaded batch by batch (:class:`~dpvr.optim.records.DatasetRecords`).
 
-    Each step draws a batch (``sampling``: ``"poisson"`` with rate ``batch_size / n``, ``"wor"`` fixed-size
-    without replacement, ``"full"``), clips each per-sample gradient to ``clip``, adds
+    Each step draws a batch (``sampling``), clips each per-sample gradient to ``clip``, adds
     ``N(0, (z * clip)^2 I)`` to the sum and steps ``x <- x - lr * noisy_sum / batch_size`` (the public,
     expected batch size).
-
-    Privacy: the composition of ``steps`` sampled Gaussian mechanisms with noise multiplier ``z`` under the
-    neighbouring relation (default: add/remove for Poisson, replace-one otherwise), recorded step by step
-    in ``self.accountant``; a step that would exceed ``epsilon`` raises
-    :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Give ``noise`` (the noise
-    multiplier of the one stream ``"gradient"``: a number or ``{"gradient": z}``), or ``epsilon`` to
-    calibrate it for the whole ``steps``.
 
     Normalisers must be public under the relation in force. Under add/remove the dataset size ``n`` is
     private, so a full batch (DP-GD) would divide by it: that combination is refused. Poisson sampling
     divides by the public ``batch_size``; its rate ``batch_size / n`` uses ``n`` as the usual convention
     does (Abadi et al., Opacus), which assumes the dataset size is known, as the accountant's rate is.
 
-    ``optimizer``: any ``torch.optim.Optimizer`` over the model's trainable parameters steps on the released
-    noisy mean (written into each ``p.grad``) instead of the SGD step; it is post-processing of the release,
-    so the guarantee is unchanged. Not with ``sampling="cyclic"``, whose bound assumes the SGD step.
-
-    ``runtime.grad_mode="auto"`` uses ghost clipping where the model allows (``self.gradients.mode`` says
-    which path ran); ``"materialised"`` forces per-sample gradients.
-
     ``sampling="cyclic"`` is Algorithm 1 of Kong & Ribero: disjoint batches in a fixed order,
-    ``x <- prox_{lr h}(x - lr g + N(0, sigma^2 I))`` with ``h`` given by ``prox`` (:class:`~dpvr.optim.L1`,
-    :class:`~dpvr.optim.ElasticNet`, :class:`~dpvr.optim.L2Ball`), and only the *last iterate* released. It is
-    accounted with the last-iterate bound (Theorems 2.2/2.3; replace-one), which needs the losses to be
-    ``weak_convexity``-weakly convex and ``smoothness``-upper-smooth; step sizes the theorems do not cover
-    are refused. Nothing about intermediate iterates is reported. ``clipping=False`` asserts that no
-    per-example gradient norm ever exceeds ``clip`` (a known Lipschitz bound, e.g. unit-norm features for
-    logistic regression), which gives the much smaller bound of Theorem 2.3 eq. (19); every step verifies
-    the assertion and stops the run (releasing nothing more) if a gradient breaks it. ``bound`` picks the
-    accounting of the cyclic run: ``"last-iterate"`` (default), ``"composition"`` (plain composition of the
-    passes, valid for every iterate) or ``"best"`` (the smaller). ``settings``, for subclasses: the settings
-    the run's binding records (default: every argument but the model, loss and data, as given).
+    ``x <- prox_{lr h}(x - lr g + N(0, sigma^2 I))`` with ``h`` given by ``prox``, and only the *last
+    iterate* released. It is accounted with the last-iterate bound (Theorems 2.2/2.3; replace-one), which
+    needs the losses to be ``weak_convexity``-weakly convex and ``smoothness``-upper-smooth; step sizes the
+    theorems do not cover are refused. Nothing about intermediate iterates is reported.
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are ``x``.
+        loss_fn: the per-record loss ``(output, target) -> scalar``.
+        inputs: the private records' inputs (a tensor, one row per record), or
+            :class:`~dpvr.optim.records.Records` holding inputs and targets.
+        targets: the records' targets (one row per input); omitted with ``Records``.
+        lr: the SGD step size; required without ``optimizer``, not given with one.
+        clip: the per-sample clip radius ``C`` (L2, > 0).
+        steps: the number of steps ``T`` (the planned run that is accounted).
+        batch_size: the (expected) batch size ``b``, the public normaliser: Poisson rate ``b / n``,
+            fixed-size ``"wor"`` and cyclic batches of ``b``; unused with ``"full"``.
+        sampling: ``"poisson"`` (default; rate ``batch_size / n``), ``"wor"`` (fixed-size without
+            replacement), ``"full"`` (every record) or ``"cyclic"`` (the last-iterate algorithm above).
+        noise: the noise multiplier ``z`` of the one stream ``"gradient"`` (a number or
+            ``{"gradient": z}``); ``None``: calibrated from ``privacy.epsilon`` for the whole ``steps``.
+        prox: the proximal term ``h`` of ``sampling="cyclic"`` (:class:`~dpvr.optim.L1`,
+            :class:`~dpvr.optim.ElasticNet`, :class:`~dpvr.optim.L2Ball`; the last one's diameter enters the
+            bound); refused otherwise.
+        weak_convexity: the losses' weak-convexity constant ``m`` (needed with ``"cyclic"``).
+        smoothness: the losses' upper-smoothness constant ``M`` (needed with ``"cyclic"``).
+        clipping: ``False`` (``"cyclic"`` only) asserts that no per-example gradient norm ever exceeds
+            ``clip`` (a known Lipschitz bound, e.g. unit-norm features for logistic regression), which gives
+            the much smaller bound of Theorem 2.3 eq. (19); every step verifies the assertion and stops the
+            run (releasing nothing more) if a gradient breaks it. Default ``True``.
+        bound: the accounting of the cyclic run: ``"last-iterate"`` (default), ``"composition"`` (plain
+            composition of the passes, valid for every iterate) or ``"best"`` (the smaller).
+        optimizer: any ``torch.optim.Optimizer`` over the model's trainable parameters; it steps on the
+            released noisy mean (written into each ``p.grad``) instead of the SGD step; it is post-processing
+            of the release, so the guarantee is unchanged. Not with ``sampling="cyclic"``, whose bound
+            assumes the SGD step.
+        privacy: the :class:`~dpvr.optim.PrivacyConfig` (budget, delta, accountant, neighbouring relation).
+        runtime: the :class:`~dpvr.optim.RuntimeConfig`; ``grad_mode="auto"`` uses ghost clipping where the
+            model allows (``self.gradients.mode`` says which path ran), ``"materialised"`` forces per-sample
+            gradients.
+        settings: for subclasses: the settings the run's binding records (default: every argument but the
+            model, loss and data, as given).
+
+    Raises:
+        ValueError: ``clip <= 0``; ``optimizer`` with ``sampling="cyclic"``; a bad ``lr`` (``<= 0``, missing
+            without an optimizer, or given with one); ``sampling="full"`` under ``"add-remove"``;
+            ``"cyclic"`` without ``weak_convexity`` and ``smoothness``, or with a step size the theorems do
+            not cover, or an unknown ``bound``; ``prox`` without ``"cyclic"``; an unknown ``sampling`` or a
+            batch size it cannot use; noise that is neither given nor calibratable.
+        TypeError: ``privacy``/``runtime`` of the wrong type, ``optimizer`` not a ``torch.optim.Optimizer``,
+            or ``targets`` given with ``Records``.
+        RuntimeError: (at a step) under ``clipping=False``, a per-example gradient norm exceeded ``clip``.
+        BudgetExhaustedError: (at a step) the release would exceed ``privacy.epsilon``.
+
+    Guarantee:
+        The composition of ``steps`` sampled Gaussian mechanisms with noise multiplier ``z`` under the
+        neighbouring relation (default: add/remove for Poisson, replace-one otherwise), recorded step by step
+        in ``self.accountant``; a step that would exceed ``epsilon`` raises
+        :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Under
+        ``sampling="cyclic"``: the last iterate only, by the last-iterate bound chosen by ``bound``.
     """
 
     name = "DP-SGD"
@@ -231,7 +264,26 @@ class DPSGD(PrivateAlgorithm):
 
 
 class DPGD(DPSGD):
-    """DP-GD: :class:`DPSGD` on the full dataset every step (no sampling; replace-one by default)."""
+    """DP-GD: :class:`DPSGD` on the full dataset every step (no sampling; replace-one by default).
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are trained.
+        loss_fn: the per-record loss ``(output, target) -> scalar``.
+        inputs: the private records' inputs, or :class:`~dpvr.optim.records.Records`.
+        targets: the records' targets; omitted with ``Records``.
+        **kwargs: :class:`DPSGD`'s keyword arguments (``lr``, ``clip``, ``steps``, ``noise``, ``optimizer``,
+            ``privacy``, ``runtime``, ...); ``sampling`` may only be ``"full"`` and ``batch_size`` only
+            ``None`` or the dataset size.
+
+    Raises:
+        ValueError: a sampled batch is asked for (use :class:`DPSGD`), or as :class:`DPSGD` (e.g.
+            ``neighbouring="add-remove"``, under which the full-batch mean's divisor ``n`` is private).
+        TypeError: as :class:`DPSGD`.
+
+    Guarantee:
+        As :class:`DPSGD` with ``sampling="full"``: the composition of ``steps`` Gaussian mechanisms with
+        noise multiplier ``z`` under replace-one (default), behind the budget guard.
+    """
 
     name = "DP-GD"
 

@@ -311,17 +311,42 @@ class DPSGDA(MinimaxAlgorithm):
     - ``x <- x - lr (mean_i clip_{C1}(grad_x f(x_t, y_t; z_i)) + N(0, (sigma_x C1)^2 I))``;
     - ``y <- Proj_Y(y + lr_y (mean_i clip_{C2}(grad_y f(x_t, y_t; z_i)) + N(0, (sigma_y C2)^2 I)))``.
 
-    Privacy (replace-one neighbours): each block's clipped mean moves by at most ``2C/b`` when one record is
-    replaced, so the step is a Gaussian release of the pair on one sampled batch; it is accounted as the plan
-    :class:`dpvr.privacy.events.DPSGDAPlan` (shared batch) describes, step by step, with the budget guard: a
-    step that would exceed ``privacy.epsilon`` raises before anything is released. Give ``noise={"x": z_x,
-    "y": z_y}`` (noise multipliers), ``noise=PaperSigmas(x=sigma_x, y=sigma_y)`` (noise std over the clip
-    radius on the batch mean, the paper's units) or ``privacy.epsilon`` to calibrate them with the
-    accountant. The paper's ``C1, C2`` are ``clip["x"]``, ``clip["y"]``.
-    Assumptions: the batches are drawn as stated (the sampler is seeded from the operating system unless
-    ``runtime.sampler_seed`` is given), ``y0`` does not depend on the private data.
-
     Output: the last iterate (the model's parameters and :attr:`y`).
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are ``x``.
+        problem: the :class:`~dpvr.problems.MinimaxProblem` (``f``, the domain ``Y`` and its projection).
+        inputs: the private records' inputs, or :class:`~dpvr.optim.records.Records`.
+        targets: the records' targets; omitted with ``Records``.
+        lr: the x step size; required without ``optimizer``, not given with one.
+        lr_y: the y ascent step size (> 0).
+        steps: the number of steps.
+        batch_size: the records ``b`` of each step's batch; unused with ``sampling="full"``.
+        clip: ``{"x": C1, "y": C2}``, the per-sample clip radii of the x- and y-gradients (> 0).
+        noise: ``{"x": z_x, "y": z_y}`` (noise multipliers) or ``PaperSigmas(x=sigma_x, y=sigma_y)`` (noise
+            std over the clip radius on the batch mean, the paper's units); ``None``: calibrated from
+            ``privacy.epsilon`` with the accountant.
+        sampling: ``"wor"`` (default: without replacement, as in the paper) or ``"full"`` (every record).
+        y0: the starting ``y`` (public, shape ``(problem.y_dim,)``); default the problem's initial ``y``.
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters that steps x on the released
+            noisy gradient (post-processing) instead of the SGD step.
+        privacy: the :class:`~dpvr.optim.PrivacyConfig`.
+        runtime: the :class:`~dpvr.optim.RuntimeConfig`.
+
+    Raises:
+        ValueError: a bad ``lr`` or ``lr_y`` (not > 0, or ``lr`` with an optimizer), ``clip`` without exactly
+            ``"x"`` and ``"y"`` or a radius not > 0, a ``y0`` of the wrong shape, an invalid batch size or
+            ``sampling``, noise neither given nor calibratable.
+        TypeError: ``clip`` not a mapping, ``privacy``/``runtime``/``optimizer`` of the wrong type, or
+            ``targets`` given with ``Records``.
+
+    Guarantee:
+        Replace-one neighbours: each block's clipped mean moves by at most ``2C/b`` when one record is
+        replaced, so the step is a Gaussian release of the pair on one sampled batch; it is accounted as the
+        plan :class:`dpvr.privacy.events.DPSGDAPlan` (shared batch) describes, step by step, with the budget
+        guard: a step that would exceed ``privacy.epsilon`` raises before anything is released. Assumptions:
+        the batches are drawn as stated (the sampler is seeded from the operating system unless
+        ``runtime.sampler_seed`` is given), ``y0`` does not depend on the private data.
     """
 
     name = "DP-SGDA"
@@ -450,23 +475,64 @@ class PrivateDiff(MinimaxAlgorithm):
     quadratic ``F`` such as AUC-M's is certified at the second iteration with the default step). The
     certificate's value is not released.
 
-    **Privacy of x.** ``C_r`` depends on released iterates only and the noise std scales with it, so each
-    x-round is a sampled Gaussian release of fixed noise multiplier (Lemma 8: sensitivity ``2C/m``). All
-    three streams are recorded in one accountant as they happen, behind the budget guard (the plan
-    :class:`dpvr.privacy.events.PrivateDiffPlan` with the same ``y_release``). Give ``noise={"checkpoint":
-    z1, "difference": z2, "y": z_y}`` (noise multipliers), ``noise=PaperSigmas(checkpoint=sigma_x1,
-    difference=sigma_x2, y=sigma_y)`` (noise std over the clip radius on the batch mean; output y: over
-    ``Delta``) or ``privacy.epsilon`` to calibrate them jointly (``calibration="tight"``; with
-    ``y_release="output"`` also Remark 5.1's ``calibration="paper"``). Assumptions: batches drawn as stated
-    (seeded from the operating system unless ``runtime.sampler_seed`` is given); ``y0`` does not depend on
-    the private data; with ``y_release="output"``, replace-one neighbours (the plan's relation).
-
     The paper's ``C0, C1, C2, C3`` are ``clip["y"]`` (ascent only), ``clip["checkpoint"]`` and
     ``clip["difference"] = (C2, C3)``; the difference round is
     :class:`~dpvr.optim.estimator.DifferenceEstimator`'s, its radius capped at ``max_radius`` (default
     ``2 C1``; not in the paper: it keeps noise from feeding on itself).
 
     Output: the last iterate (the model's parameters and :attr:`y`).
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are ``x``.
+        problem: the :class:`~dpvr.problems.MinimaxProblem` (``f``, ``Y``; with ``y_release="output"`` also
+            its public constants, :meth:`~dpvr.problems.MinimaxProblem.y_sensitivity`).
+        inputs: the private records' inputs, or :class:`~dpvr.optim.records.Records`.
+        targets: the records' targets; omitted with ``Records``.
+        lr: the x step size of ``x_{r+1} = x_r - lr v``; required without ``optimizer``, not given with one.
+        lr_y: the y step size: of the noisy ascent (required with ``"ascent"``), or of the output solver
+            (default ``1/L``, the problem's smoothness).
+        steps: the number of rounds.
+        restart: the checkpoint period: round ``r`` resets the estimator when ``(r - 1) % restart == 0``.
+        y_steps: ``T2``, the noisy ascent steps per round (``"ascent"``), or the solver's iteration limit
+            (``"output"``).
+        batch_size: the records ``m`` of each batch; unused with ``sampling="full"``.
+        clip: ``{"checkpoint": C1, "difference": (C2, C3)[, "y": C0]}`` (``"y"`` exactly with ``"ascent"``);
+            ``C_r = C2 ||x_r - x_{r-1}|| + C3``.
+        noise: ``{"checkpoint": z1, "difference": z2, "y": z_y}`` (noise multipliers), or
+            ``PaperSigmas(checkpoint=sigma_x1, difference=sigma_x2, y=sigma_y)`` (noise std over the clip
+            radius on the batch mean; output y: over ``Delta``); ``None``: calibrated jointly from
+            ``privacy.epsilon`` (``calibration="tight"``; with ``y_release="output"`` also Remark 5.1's
+            ``calibration="paper"``).
+        sampling: ``"wor"`` (default: without replacement) or ``"full"``.
+        y_release: ``"ascent"`` (default) or ``"output"`` (see above).
+        y_tolerance: ``tau``, the output solver's certified accuracy (``"output"`` only); default the rule
+            under **The tolerance**.
+        y0: the starting ``y`` (public, shape ``(problem.y_dim,)``); default the problem's initial ``y``.
+        max_radius: the cap on the difference radius ``C_r``; default ``2 C1``.
+        optimizer: a ``torch.optim.Optimizer`` that steps x on the released estimate (post-processing)
+            instead of the SGD step.
+        privacy: the :class:`~dpvr.optim.PrivacyConfig`.
+        runtime: the :class:`~dpvr.optim.RuntimeConfig`.
+
+    Raises:
+        ValueError: an unknown ``y_release``; ``clip`` without exactly the streams above or with a bad
+            radius; ``y_tolerance`` with ``"ascent"``, or not finite and > 0, or below ``4 A + r`` (naming
+            the numbers); ``"ascent"`` without ``lr_y``; a bad ``lr``/``lr_y``; a problem without public
+            constants under ``"output"``; a ``y0`` of the wrong shape; an invalid batch size or
+            ``sampling``; noise neither given nor calibratable.
+        TypeError: ``clip`` not a mapping, ``privacy``/``runtime``/``optimizer`` of the wrong type, or
+            ``targets`` given with ``Records``.
+        RuntimeError: (at a round, ``"output"``) none of the solver's ``y_steps`` iterations certifies
+            ``tau``.
+
+    Guarantee:
+        ``y`` is released as above. ``C_r`` depends on released iterates only and the noise std scales with
+        it, so each x-round is a sampled Gaussian release of fixed noise multiplier (Lemma 8: sensitivity
+        ``2C/m``). All three streams are recorded in one accountant as they happen, behind the budget guard
+        (the plan :class:`dpvr.privacy.events.PrivateDiffPlan` with the same ``y_release``). Assumptions:
+        batches drawn as stated (seeded from the operating system unless ``runtime.sampler_seed`` is given);
+        ``y0`` does not depend on the private data; with ``y_release="output"``, replace-one neighbours (the
+        plan's relation).
     """
 
     name = "PrivateDiff"

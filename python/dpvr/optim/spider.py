@@ -166,23 +166,55 @@ class DoubleSpider(_Spider):
     The difference radii follow Theorem 6's ``C2 = 2 max(L2 |d eta|, G M ||d x|| / lam)`` and
     ``C4 = 2 max(M L |d eta| / lam, (L0 + L1 sqrt(H)) ||d x||)`` with the constants as public coefficients
     ``clip["eta-difference"] = (k2_eta, k2_x)``, ``clip["x-difference"] = (k4_eta, k4_x)`` (both > 0: a zero
-    coefficient would make a
-    moving point's difference unclipped).
+    coefficient would make a moving point's difference unclipped). The paper's ``C1, C3`` are
+    ``clip["eta-refresh"]``, ``clip["x-refresh"]``; ``q`` is ``restart``.
 
-    Privacy (replace-one, the paper's relation): each of the four streams releases a mean over its batch of
-    per-sample terms of norm at most its radius, plus Gaussian noise of std ``z C / b``; the radii are
-    functions of released values only (``eta`` and ``x`` iterates), so each release is a sampled Gaussian
-    mechanism with a fixed noise multiplier ``z``. The eta-refresh terms ``1 - (psi*)'(a)`` are at most 1
-    (``(psi*)' >= 0``), so clipped at ``C1`` they lie in ``[-C1, min(1, C1)]``: replacing a record moves the
-    sum by at most ``C1 + min(1, C1)``, twice the unit ``(C1 + min(1, C1)) / 2`` that the noise std
-    ``z (C1 + min(1, C1)) / (2 b)`` is scaled to (``z C1 / b`` when ``C1 <= 1``). All four streams are
-    composed in one accountant as the plan :class:`dpvr.privacy.events.DoubleSpiderPlan` describes, behind the
-    budget guard; pass ``noise`` (the four multipliers) or ``privacy.epsilon`` to calibrate them jointly for
-    the total ``(epsilon, delta)``. The paper's ``C1, C3`` are ``clip["eta-refresh"]``, ``clip["x-refresh"]``;
-    ``q`` is ``restart``.
-    Assumptions: batches drawn as stated (seeded from the operating system unless
-    ``runtime.sampler_seed``), ``x0`` and ``eta0`` independent of the data, a loss that is a function of
-    one record.
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are ``x`` (``x0``: its parameters on entry).
+        loss_fn: the per-record loss ``l_i(x)``, ``(output, target) -> scalar``.
+        inputs: the private records' inputs, or :class:`~dpvr.optim.records.Records`.
+        targets: the records' targets; omitted with ``Records``.
+        divergence: the psi-divergence (:class:`~dpvr.problems.dual.Divergence`) whose conjugate ``psi*``
+            defines the dual.
+        lam: the weight ``lam`` of the psi-divergence penalty in the DRO objective (> 0).
+        steps: the number of steps ``T``.
+        restart: the refresh period ``q`` (a refresh when ``t % q == 0``).
+        batch_sizes: the batch sizes ``N1..N4``: ``{stream: b}`` for the streams ``"eta-refresh"``,
+            ``"eta-difference"``, ``"x-refresh"``, ``"x-difference"``, or a sequence in that (the paper's)
+            order; a batch equal to the dataset size is a full batch.
+        lr: the x step size's upper bound (Theorem 7's ``1/(2 L0)``), > 0.
+        lr_eta: the eta step size ``alpha``, > 0.
+        max_move: the largest x step ``||x_{t+1} - x_t||`` (> 0).
+        clip: ``{"eta-refresh": C1, "eta-difference": (k2_eta, k2_x), "x-refresh": C3,
+            "x-difference": (k4_eta, k4_x)}``; every number > 0.
+        eta0: the starting dual variable ``eta_0`` (public); default 0.
+        noise: the four streams' noise multipliers ``{stream: z}``; ``None``: calibrated jointly from
+            ``privacy.epsilon`` for the total ``(epsilon, delta)``.
+        sampling: how each batch is drawn: ``"wor"`` (default: fixed-size without replacement) or another
+            scheme of :mod:`dpvr.optim.sampling`.
+        privacy: the :class:`~dpvr.optim.PrivacyConfig`.
+        runtime: the :class:`~dpvr.optim.RuntimeConfig`.
+
+    Raises:
+        ValueError: ``lam``, ``lr``, ``lr_eta`` or ``max_move`` not > 0; ``clip`` without exactly the four
+            streams, a radius not > 0, or a difference coefficient that is 0; ``batch_sizes`` that do not
+            name the four streams or exceed the dataset size; ``steps < 1`` or ``restart < 1``; an unknown
+            ``sampling``; noise that is neither given nor calibratable.
+        TypeError: ``clip`` not a mapping, ``privacy``/``runtime`` of the wrong type, or ``targets`` given
+            with ``Records``.
+
+    Guarantee:
+        Replace-one, the paper's relation: each of the four streams releases a mean over its batch of
+        per-sample terms of norm at most its radius, plus Gaussian noise of std ``z C / b``; the radii are
+        functions of released values only (``eta`` and ``x`` iterates), so each release is a sampled
+        Gaussian mechanism with a fixed noise multiplier ``z``. The eta-refresh terms ``1 - (psi*)'(a)`` are
+        at most 1 (``(psi*)' >= 0``), so clipped at ``C1`` they lie in ``[-C1, min(1, C1)]``: replacing a
+        record moves the sum by at most ``C1 + min(1, C1)``, twice the unit ``(C1 + min(1, C1)) / 2`` that
+        the noise std ``z (C1 + min(1, C1)) / (2 b)`` is scaled to (``z C1 / b`` when ``C1 <= 1``). All four
+        streams are composed in one accountant as the plan :class:`dpvr.privacy.events.DoubleSpiderPlan`
+        describes, behind the budget guard. Assumptions: batches drawn as stated (seeded from the operating
+        system unless ``runtime.sampler_seed``), ``x0`` and ``eta0`` independent of the data, a loss that is
+        a function of one record.
 
     Departures from the printed algorithm: per-sample clipping (the printed one clips the batch mean, which
     has no per-record sensitivity bound); one accountant for all four streams (the paper calibrates each to
@@ -314,18 +346,54 @@ class RecursiveSpider(_Spider):
     The paper's ``C1 .. C5`` and ``k2, k4`` are ``clip["v-refresh"]``, ``clip["v-difference"]`` (``k2``),
     ``clip["u-refresh"]``, ``clip["u-difference"]`` (``k4``) and ``clip["s"]``; ``q`` is ``restart``.
 
-    Privacy (replace-one): every stream releases a mean of per-sample terms bounded by its radius, with noise
-    std ``z C / b``, except where a term is one-sided: the u-refresh terms ``d g / d lam >= 0`` clipped at
-    ``C3`` lie in ``[0, C3]``, so replacing a record moves the sum by at most ``C3``, twice the unit
-    ``C3 / 2`` (noise std ``z C3 / (2 b)``). For ``s`` the released term of the one drawn record lies in
-    ``[-(1 - beta) C5, C5]`` (both inner values are clipped into ``[0, C5]``; a record with a non-finite
-    value contributes 0), so replacing that record moves it by at most ``(2 - beta) C5``: the replace-one
-    sensitivity, which is twice dpvr's unit, so the unit is ``(2 - beta) C5 / 2`` and the noise std
-    ``z_s (2 - beta) C5 / 2``. Radii
-    depend on released iterates only; the five streams are composed in one accountant as the plan
-    :class:`dpvr.privacy.events.RecursiveSpiderPlan` describes, behind the budget guard; pass ``noise`` or
-    ``privacy.epsilon`` (joint calibration). Assumptions: batches as stated, ``x0``, ``lam0``, ``lam_init``,
-    ``s0``, ``B`` and ``s_floor`` independent of the data.
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are ``x`` (``x0``: its parameters on entry).
+        loss_fn: the per-record loss ``l_i(x)``, ``(output, target) -> scalar``.
+        inputs: the private records' inputs, or :class:`~dpvr.optim.records.Records`.
+        targets: the records' targets; omitted with ``Records``.
+        rho: the KL-ball radius ``rho`` of the DRO objective.
+        lam0: the lower bound ``lam0`` on ``lam`` (> 0; ``lam`` is projected onto ``[lam0, inf)``).
+        steps: the number of steps ``T``.
+        restart: the refresh period ``q`` (a refresh when ``t % q == 0``).
+        batch_sizes: the batch sizes ``b1..b4``: ``{stream: b}`` for ``"v-refresh"``, ``"v-difference"``,
+            ``"u-refresh"``, ``"u-difference"``, or a sequence in that (the paper's) order; ``"s"`` always
+            draws one record.
+        lr: the x step size (> 0).
+        lr_lam: the ``lam`` step size (> 0).
+        beta: the STORM weight ``beta``, in ``(0, 1]``.
+        loss_bound: the public cap ``B`` on the loss (the inner function's shift).
+        clip: ``{"v-refresh": C1, "v-difference": k2, "u-refresh": C3, "u-difference": k4, "s": C5}``; each
+            > 0 (``k2``, ``k4`` per unit of ``d_t``).
+        lam_init: the starting ``lam``, ``>= lam0``; default 1.
+        s0: the starting STORM estimate ``s``; default 1.
+        s_floor: the public floor ``s`` is clamped to where used (> 0); default ``1e-3``.
+        noise: the five streams' noise multipliers ``{stream: z}``; ``None``: calibrated jointly from
+            ``privacy.epsilon``.
+        sampling: how each batch is drawn: ``"wor"`` (default: fixed-size without replacement) or another
+            scheme of :mod:`dpvr.optim.sampling`.
+        privacy: the :class:`~dpvr.optim.PrivacyConfig`.
+        runtime: the :class:`~dpvr.optim.RuntimeConfig`.
+
+    Raises:
+        ValueError: ``lam0``, ``lr``, ``lr_lam`` or ``s_floor`` not > 0; ``beta`` outside ``(0, 1]``;
+            ``lam_init < lam0``; ``clip`` without exactly the five streams or a radius not > 0;
+            ``batch_sizes`` that do not name the four sampled streams or exceed the dataset size;
+            ``steps < 1`` or ``restart < 1``; an unknown ``sampling``; noise neither given nor calibratable.
+        TypeError: ``clip`` not a mapping, ``privacy``/``runtime`` of the wrong type, or ``targets`` given
+            with ``Records``.
+
+    Guarantee:
+        Replace-one: every stream releases a mean of per-sample terms bounded by its radius, with noise std
+        ``z C / b``, except where a term is one-sided: the u-refresh terms ``d g / d lam >= 0`` clipped at
+        ``C3`` lie in ``[0, C3]``, so replacing a record moves the sum by at most ``C3``, twice the unit
+        ``C3 / 2`` (noise std ``z C3 / (2 b)``). For ``s`` the released term of the one drawn record lies in
+        ``[-(1 - beta) C5, C5]`` (both inner values are clipped into ``[0, C5]``; a record with a non-finite
+        value contributes 0), so replacing that record moves it by at most ``(2 - beta) C5``: the
+        replace-one sensitivity, which is twice dpvr's unit, so the unit is ``(2 - beta) C5 / 2`` and the
+        noise std ``z_s (2 - beta) C5 / 2``. Radii depend on released iterates only; the five streams are
+        composed in one accountant as the plan :class:`dpvr.privacy.events.RecursiveSpiderPlan` describes,
+        behind the budget guard. Assumptions: batches as stated, ``x0``, ``lam0``, ``lam_init``, ``s0``,
+        ``B`` and ``s_floor`` independent of the data.
 
     Departures from the printed algorithm (each fixes a bug listed in the design notes):
 

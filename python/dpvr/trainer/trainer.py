@@ -74,35 +74,46 @@ def make_private(
 ) -> PrivateTrainer:
     """A :class:`PrivateTrainer` that trains ``module`` with ``algorithm`` at ``(epsilon, delta)``-DP.
 
-    - ``algorithm``: a name of :mod:`dpvr.registry` whose entry has a ``layout`` (every built-in one but
-      ``"phased"``); the entry says which class runs it and how the run is laid out.
-    - ``criterion``: an ordinary batched loss (``nn.CrossEntropyLoss()``, or any ``(output, target) -> loss``
-      that is a mean or a sum of per-record losses; checked); for the minimax algorithms (``"dp-sgda"``,
-      ``"private-diff"``: ``problem="minimax"`` in the registry) a :class:`~dpvr.problems.MinimaxProblem`
-      instead.
-    - ``data``: a map-style ``Dataset`` or a ``DataLoader`` (its dataset and ``collate_fn`` are used; dpvr's
-      sampler replaces its batch sampler, with a warning) of ``(input, target)`` records; for a federated
-      algorithm (``"diff2"``) a list of them gives one client each.
-    - ``optimizer``: any ``torch.optim.Optimizer`` over ``module``'s parameters; it steps on the released
-      noisy gradient estimate (written into ``p.grad``). Momentum, Adam, weight decay and learning-rate
-      schedules are post-processing of what was released: the guarantee is unchanged. Without one, the
-      algorithm's own SGD step is used and ``lr`` must be given in ``settings``. The SPIDER algorithms and
-      DIFF2's BVR-L-SGD routine take their own steps (their step rules are part of the analysis).
-    - ``epochs`` or ``steps``: the run's length. An epoch is the sampler's own
-      (:func:`dpvr.optim.sampling.steps_per_epoch`), so that ``epochs`` is what is charged:
-      ``round(n / batch_size)`` steps for ``sampling="random-allocation"`` (the epoch its accountant prices;
-      a fractional number of epochs is charged as the next whole number), ``n / batch_size`` for the cyclic
-      last-iterate traversal, ``ceil(n / batch_size)`` for Poisson and fixed-size batches, one step for the
-      full batch (``"dp-gd"``, ``"diff2"``, ``sampling="full"``); the SPIDERs take ``steps``.
-    - ``accountant``: ``"rdp"`` or ``"pld"``; default the tightest the algorithm's plan allows (PLD wherever
-      its releases are Gaussian on Poisson, fixed-size or full batches).
-    - ``process_group``: a ``torch.distributed`` group to train data-parallel over (default: the initialised
-      default group when it has more than one process): one logical run, every process drawing the same
-      batches and noise, loading and clipping its share of each batch, the clipped sums all-reduced
-      (:mod:`dpvr.trainer.parallel`; ``dp-sgd`` and ``dp-gd``). Pass the plain module, not a
-      ``DistributedDataParallel`` wrapper.
-    - ``settings``: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
-      its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to ``epsilon``.
+    Args:
+        module: the ``nn.Module`` to train (its trainable parameters are the released iterates); the plain
+            module, not a ``DistributedDataParallel`` wrapper.
+        criterion: an ordinary batched loss (``nn.CrossEntropyLoss()``, or any ``(output, target) -> loss``
+            that is a mean or a sum of per-record losses; checked); for the minimax algorithms
+            (``"dp-sgda"``, ``"private-diff"``: ``problem="minimax"`` in the registry) a
+            :class:`~dpvr.problems.MinimaxProblem` instead.
+        data: a map-style ``Dataset`` or a ``DataLoader`` (its dataset and ``collate_fn`` are used; dpvr's
+            sampler replaces its batch sampler, with a warning) of ``(input, target)`` records; for a
+            federated algorithm (``"diff2"``) a list of them gives one client each.
+        algorithm: a name of :mod:`dpvr.registry` whose entry has a ``layout`` (every built-in one but
+            ``"phased"``); the entry says which class runs it and how the run is laid out.
+        epsilon: the privacy budget of the whole run; the noise is calibrated to spend it.
+        delta: the target ``delta``; default ``1e-5``.
+        optimizer: any ``torch.optim.Optimizer`` over ``module``'s parameters; it steps on the released noisy
+            gradient estimate (written into ``p.grad``). Momentum, Adam, weight decay and learning-rate
+            schedules are post-processing of what was released: the guarantee is unchanged. Without one,
+            the algorithm's own SGD step is used and ``lr`` must be given in ``settings``. The SPIDER
+            algorithms and DIFF2's BVR-L-SGD routine take their own steps (their step rules are part of the
+            analysis).
+        batch_size: the (expected) batch size of a sampling algorithm; default a ``DataLoader``'s own
+            ``batch_size``; not given for the full-batch ones.
+        epochs: the run's length in epochs (or give ``steps``). An epoch is the sampler's own
+            (:func:`dpvr.optim.sampling.steps_per_epoch`), so that ``epochs`` is what is charged:
+            ``round(n / batch_size)`` steps for ``sampling="random-allocation"`` (the epoch its accountant
+            prices; a fractional number of epochs is charged as the next whole number), ``n / batch_size``
+            for the cyclic last-iterate traversal, ``ceil(n / batch_size)`` for Poisson and fixed-size
+            batches, one step for the full batch (``"dp-gd"``, ``"diff2"``, ``sampling="full"``).
+        steps: the run's length in steps (or give ``epochs``); the SPIDERs take ``steps``.
+        accountant: ``"rdp"`` or ``"pld"``; default the tightest the algorithm's plan allows (PLD wherever its
+            releases are Gaussian on Poisson, fixed-size or full batches).
+        runtime: the :class:`~dpvr.optim.RuntimeConfig` (gradient mode, chunk size, noise source, seeds);
+            default ``RuntimeConfig()``.
+        process_group: a ``torch.distributed`` group to train data-parallel over (default: the initialised
+            default group when it has more than one process): one logical run, every process drawing the
+            same batches and noise, loading and clipping its share of each batch, the clipped sums
+            all-reduced (:mod:`dpvr.trainer.parallel`; ``dp-sgd`` and ``dp-gd``).
+        **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
+            its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
+            ``epsilon``.
 
     The noise is calibrated so that the whole planned run spends ``epsilon``; a release that would exceed it
     raises :class:`~dpvr.optim.BudgetExhaustedError` before it happens.
@@ -274,6 +285,15 @@ class PrivateTrainer:
     loss). The model object is yours: reading it in your own loop before the run is complete (to score it,
     log it, or publish a checkpoint of it) is outside the guarantee: every iterate of a cyclic run is covered
     only by the plain composition of its passes (``bound="composition"``), above the last-iterate bound.
+
+    Built by :func:`make_private`; the constructor wraps an algorithm already built.
+
+    Args:
+        algorithm: the calibrated :class:`~dpvr.optim.PrivateAlgorithm` that runs (and releases) every step.
+        steps_per_epoch: the sampler's steps per epoch (:func:`dpvr.optim.sampling.steps_per_epoch`);
+            default 1.
+        parallel: the data-parallel layer (:mod:`dpvr.trainer.parallel`) of a distributed run; default
+            ``None``, one process.
     """
 
     def __init__(self, algorithm: PrivateAlgorithm, *, steps_per_epoch: int = 1,
