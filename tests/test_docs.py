@@ -29,8 +29,6 @@ DOCS = ROOT / "docs"
 TUTORIALS = sorted((DOCS / "tutorials").glob("*.md"))
 # The pages that repeat the README's longer examples: run block by block, as tests/test_readme.py runs them.
 EXAMPLE_PAGES = [DOCS / "index.md", DOCS / "guide.md"]
-# Tutorials whose blocks take more than ~30 s on two cores together; the others run by default.
-SLOW_TUTORIALS: set[str] = {"audit", "choosing", "diff2", "dp-sgd", "opacus"}
 
 _BLOCK = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", flags=re.S | re.M)
 _REQUIRES = re.compile(r"<!--\s*requires:\s*([\w\-, ]+?)\s*-->")
@@ -69,10 +67,8 @@ def test_the_seven_tutorials_exist_and_have_code() -> None:
         assert python_blocks(page), f"{page.name} has no ```python block"
 
 
-@pytest.mark.parametrize(
-    "page",
-    [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] * (p.stem in SLOW_TUTORIALS)) for p in TUTORIALS],
-)
+@pytest.mark.slow  # 5-16 s each; CI runs them with the slow tests (the default run keeps the privacy guards)
+@pytest.mark.parametrize("page", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs(page: pathlib.Path, tmp_path: pathlib.Path) -> None:
     _skip_without_requirements(page)
     result = _run("\n".join(python_blocks(page)), tmp_path, page.stem.replace("-", "_"))
