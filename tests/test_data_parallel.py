@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch.utils.data import TensorDataset
 import dpvr
 from dpvr.optim.gradients import ClippedGradients
 from dpvr.trainer.losses import per_sample
+from test_noise_drawn import assert_standard_normal, drawn_noise
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")]
 
@@ -50,7 +52,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         engine = trainer.algorithm.gradients  # the all-reduced clipped sums, on this rank's share
         sums = [torch.zeros(p.numel()) for p in trainer.model.parameters()]
         engine.sum(x[rank::world], y[rank::world], 0.5, sums)
-        trainer.run()
+        with drawn_noise() as draws:  # every release's noise, recovered from its inputs and output
+            trainer.run()
+        priced = trainer.algorithm.noise["gradient"] * 1.0 / 40  # z C / b: the std the accountant prices
+        noise = np.concatenate([drawn / priced for drawn, _ in draws["gradient"]])
         stopped = _train(runtime=_runtime())  # the same run, stopped after two steps
         stopped.run(2)
         stopped.save_checkpoint(f"{out}.ckpt")  # rank 0 writes it, every rank waits
@@ -68,7 +73,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"params": [p.detach() for p in trainer.model.parameters()], "sums": sums,
                     "epsilon": trainer.privacy_spent().epsilon, "refusals": refusals,
                     "resumed": [p.detach() for p in resumed.model.parameters()],
-                    "resumed_epsilon": resumed.privacy_spent().epsilon}, f"{out}-{rank}.pt")
+                    "resumed_epsilon": resumed.privacy_spent().epsilon, "noise": torch.as_tensor(noise)},
+                   f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -99,6 +105,9 @@ def test_two_processes_run_one_logical_run(tmp_path) -> None:
     for r in ranks:
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"], ranks[0]["params"]))
         assert r["resumed_epsilon"] == pytest.approx(r["epsilon"])
+    # The noise is drawn once per release (the same draw on both ranks), at the std its accountant prices.
+    assert torch.equal(ranks[0]["noise"], ranks[1]["noise"])
+    assert_standard_normal("gradient", ranks[0]["noise"].numpy())
     messages = ranks[0]["refusals"]
     assert len(messages) == 3
     assert "DistributedDataParallel" in messages[0] and "ddp_model.module" in messages[0]
