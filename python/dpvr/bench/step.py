@@ -1,11 +1,16 @@
-"""``dpvr bench step``: one full optimisation step, private and not, on three small models (CPU or CUDA).
+"""``dpvr bench step``: one full optimisation step, private and not, on small models (CPU or CUDA), and with
+``--scale`` on models of about 10^7 parameters (:data:`dpvr.bench.SCALE_CASES`).
 
 Cases (``--case``):
   mlp           784-256-128-1 MLP, squared loss, B = 512;
   cnn           2 conv (3x3, 16 and 32 channels, each with ReLU and 2x2 max-pooling) + 2 linear layers on
                 1x28x28 inputs, 10 classes, cross-entropy, B = 256;
   transformer   embedding (1000 tokens, width 64), 2 ``nn.TransformerEncoderLayer`` (4 heads, feed-forward
-                128, no dropout), mean pooling and a 2-class head, sequences of 64 tokens, B = 64.
+                128, no dropout), mean pooling and a 2-class head, sequences of 64 tokens, B = 64;
+  lstm          embedding (1000 tokens, width 64), one LSTM (hidden 128) and a 2-class head on the last step,
+                sequences of 32 tokens, B = 64;
+  gpt2          a ``transformers`` GPT-2 (2 layers, width 64, 1000 tokens, tied head) classifying from its
+                last position, sequences of 64 tokens, B = 64.
 
 Methods, all timed in one run with the rounds interleaved (see :func:`~.timing.interleaved_median_ms`); each
 private method updates its own copy of the model, so one method's state never feeds another's:
@@ -63,12 +68,9 @@ from torch import Tensor, nn
 from .. import ops
 from ..grads import GhostClipper, per_sample_grads_at_two_points
 from ..results import Record
+from . import CASES, SCALE_CASES
 from .timing import device_sync, host_syncs, interleaved_median_ms, peak_bytes
 
-CASES = ("mlp", "cnn", "transformer", "lstm", "gpt2")
-# The cases that grow (``dpvr bench step --scale``; not in the default run): ~10^7 parameters each, and a
-# GPT-2-style decoder at three sequence lengths.
-SCALE_CASES = ("mlp-wide", "resnet", "gpt2-1e7-t128", "gpt2-1e7-t512", "gpt2-1e7-t1024")
 CLIP, CLIP2, SIGMA, LR = 1.0, 10.0, 1.0, 0.05
 FRESH_BATCHES = 4  # the fresh-batch round cycles through this many batches
 WIDTHS = (784, 256, 128, 1)

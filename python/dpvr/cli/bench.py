@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.step import CASES, SCALE_CASES
+from ..bench import CASES, SCALE_CASES
 from .flags import with_default
 
 

@@ -183,7 +183,7 @@ def _check_gradients(model: nn.Module, loss: Callable, inputs: Tensor, targets: 
 
 def _alone(model: nn.Module, loss: Callable, x: Tensor, y: Tensor) -> list[list[Tensor]]:
     """Each record's gradient, by ordinary autograd on a batch of one."""
-    names, params = zip(*trainable_parameters(model))
+    _, params = zip(*trainable_parameters(model))
     grads = []
     for i in range(len(x)):
         output = tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, model(x[i : i + 1]))

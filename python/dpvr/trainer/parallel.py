@@ -134,9 +134,6 @@ class ShardedRecords(Records):
     def batch(self, indices: np.ndarray | Sequence[int]) -> Batch:
         return self.records.batch(np.asarray(indices)[self.rank :: self.world])
 
-    def full(self) -> Batch:
-        return self.batch(np.arange(len(self.records)))
-
     def probe(self, k: int = 1) -> Batch:
         return self.records.probe(k)
 
