@@ -38,11 +38,10 @@ import attr
 import dp_accounting as dpa
 import numpy as np
 from dp_accounting import dp_event
-from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from . import _checks
+from . import _checks, pld_numerics
 from .backends import PLD, RDP
 from .mechanism import Mechanism
 from .random_allocation import (
@@ -641,7 +640,7 @@ class _ComposedPLD:
         return _compose(_groups(entries), neighbouring, interval)
 
     def get_epsilon(self, delta: float) -> float:
-        return math.inf if self._pld is None else float(self._pld.get_epsilon_for_delta(delta))
+        return math.inf if self._pld is None else pld_numerics.epsilon_for_delta(self._pld, delta)
 
     def get_delta(self, epsilon: float) -> float:
         return 1.0 if self._pld is None else float(self._pld.get_delta_for_epsilon(epsilon))
@@ -746,7 +745,7 @@ def _points(pld: Any, count: int = 1) -> int:
         if count == 1 or (probs.size - 1) * count < _MAX_PLD_POINTS:  # no truncation bounds needed
             most = max(most, (probs.size - 1) * count + 1)
         else:
-            lower, upper = pld_common.compute_self_convolve_bounds(probs, count, _TAIL_MASS)
+            lower, upper = pld_numerics.self_convolve_bounds(probs, count, _TAIL_MASS)
             most = max(most, upper - lower + 1)
     return most
 
@@ -802,7 +801,7 @@ def _compose(groups: tuple[tuple[str, int], ...], neighbouring: str, interval: f
             grid *= 2.0 ** math.ceil(math.log2(points / _MAX_PLD_POINTS))
         total = privacy_loss_distribution.identity(grid)  # nothing released
         for pld, count in plds:
-            total = total.compose(pld.self_compose(count) if count > 1 else pld)
+            total = total.compose(pld_numerics.self_compose(pld, count, _TAIL_MASS) if count > 1 else pld)
         return _ComposedPLD(total, grid)
 
     composed = _COMPOSED.get((groups, neighbouring, interval), build)
@@ -873,7 +872,7 @@ def _build_pld(event: dpa.DpEvent, neighbouring: str, interval: float) -> Any | 
                 count = epochs(count, event.event.num_steps)
             if count == 0 or inner is None:
                 return privacy_loss_distribution.identity(interval) if count == 0 else None
-            return inner.self_compose(count) if count > 1 else inner
+            return pld_numerics.self_compose(inner, count, _TAIL_MASS) if count > 1 else inner
         if isinstance(event, dpa.ComposedDpEvent):
             total = privacy_loss_distribution.identity(interval)
             for part in event.events:

@@ -483,8 +483,10 @@ def _pld_scale(
     # round-off keeps an accepted point within epsilon.
     aim = math.log(epsilon) + math.log1p(-_PLD_RTOL / 20)
     band = (math.log1p(-_PLD_RTOL) - math.log1p(-_PLD_RTOL / 20), -math.log1p(-_PLD_RTOL / 20) - 1e-12)
+    # A first slope of -2: epsilon falls faster than 1/scale where sampling amplifies (small rates), and a
+    # shallower guess overshoots into large epsilons, whose PLDs are the widest and dearest to build.
     log_scale, slope = _secant_root(
-        lambda x: log_epsilon(x, _COARSE_INTERVAL) - aim, 0.0, slope=-1.2, band=(-_PLD_RTOL, _PLD_RTOL)
+        lambda x: log_epsilon(x, _COARSE_INTERVAL) - aim, 0.0, slope=-2.0, band=(-_PLD_RTOL, _PLD_RTOL)
     )
     # Richardson: eps(h) = eps_0 + k h^2, from h and h/2, extrapolated to the accountant's grid.
     coarse, half = (math.exp(log_epsilon(log_scale, h)) for h in (_COARSE_INTERVAL, _COARSE_INTERVAL / 2))

@@ -60,6 +60,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import norm
 
 from . import _checks
+from .pld_numerics import connect_dots_pmf
 
 #: Width of the privacy-loss grid, dp_accounting's PLDAccountant default: PLDs compose only on one grid.
 PLD_DISCRETIZATION = 1e-4
@@ -114,7 +115,7 @@ def _gaussian_pmf(
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         deltas[inside] = loss.mu_upper_cdf(x) - np.exp(eps[inside] + loss.mu_lower_log_cdf(x))
     deltas = np.clip(deltas, 0, 1)
-    return pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(interval, lower, upper, deltas)
+    return connect_dots_pmf(interval, lower, upper, deltas)
 
 
 def gaussian_pld(
