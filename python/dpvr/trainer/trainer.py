@@ -28,6 +28,7 @@ from ..problems import MinimaxProblem
 from .checks import PROBE, check_model
 from .collate import check_collate
 from .data import dataset_records
+from .defaults import Derived, Public, derivable, derive
 from .losses import check_separable, per_sample
 from .parallel import DataParallel
 
@@ -113,7 +114,10 @@ def make_private(
             all-reduced (:mod:`dpvr.trainer.parallel`; ``dp-sgd`` and ``dp-gd``).
         **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
             its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
-            ``epsilon``.
+            ``epsilon``. The schedule settings left out (DIFF2's and PrivateDiff's ``restart``,
+            PrivateDiff's ``y_steps``, the SPIDERs' ``restart`` and ``batch_sizes``) take the values of the
+            papers' theorems at this run's public sizes, budget and clip radii
+            (:mod:`dpvr.trainer.defaults`; listed with their reasons in ``trainer.derived``).
 
     The noise is calibrated so that the whole planned run spends ``epsilon``; a release that would exceed it
     raises :class:`~dpvr.optim.BudgetExhaustedError` before it happens.
@@ -204,6 +208,11 @@ def make_private(
     per_epoch = 1 if per_stream else steps_per_epoch(scheme, n, batch_size)
     if steps is None:
         steps = max(1, round(epochs * per_epoch))
+    # The schedule settings not given, from the papers' theorems and public quantities only.
+    dimension = sum(p.numel() for p in params)
+    derived = derive(algorithm, settings, Public(n=n, clients=len(records), dimension=dimension,
+                                                 epsilon=epsilon, delta=delta, steps=steps))
+    settings.update({name: d.value for name, d in derived.items()})
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant)
     arguments: dict[str, Any] = {
         "steps": steps,
@@ -217,7 +226,7 @@ def make_private(
     private: PrivateAlgorithm = cls(module, loss, records if spec.federated else records[0], **arguments)
     if parallel is not None:  # ... and the clipped sums are the whole batch's
         private.gradients = parallel.gradients(private.gradients)
-    return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel)
+    return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel, derived=derived)
 
 
 def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: Mapping[str, Any], *,
@@ -248,7 +257,8 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
     empty, keyword = inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY
     for name, parameter in inspect.signature(cls).parameters.items():
         required = parameter.kind is keyword and parameter.default is empty
-        if required and name not in settings and name not in ("steps", "privacy", "runtime"):
+        derived_later = ("steps", "privacy", "runtime", *derivable(spec.name))
+        if required and name not in settings and name not in derived_later:
             what = f" ({meaning[name]})" if name in meaning else ""
             problems.append(f"{name}: {spec.name!r} needs this setting{what}")
     if len(problems) == 1:
@@ -294,11 +304,18 @@ class PrivateTrainer:
             default 1.
         parallel: the data-parallel layer (:mod:`dpvr.trainer.parallel`) of a distributed run; default
             ``None``, one process.
+        derived: the settings :func:`make_private` derived from the papers' theorems
+            (:mod:`dpvr.trainer.defaults`), each with its value and why; default none.
+
+    Attributes:
+        derived: ``{setting: Derived(value, why)}``, the settings that were not given and were derived from
+            the papers' theorems and public quantities.
     """
 
     def __init__(self, algorithm: PrivateAlgorithm, *, steps_per_epoch: int = 1,
-                 parallel: DataParallel | None = None) -> None:
+                 parallel: DataParallel | None = None, derived: Mapping[str, Derived] | None = None) -> None:
         self.algorithm, self.parallel = algorithm, parallel
+        self.derived = dict(derived or {})
         self.model = algorithm.model
         self.steps_per_epoch = steps_per_epoch
         self._evaluations: list[tuple[int, Evaluation]] = []
