@@ -3,6 +3,7 @@ run, the same on every process, whose clipped sums are the one-process run's to 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
+from dpvr.objectives.auc import AUCMargin, AUCModel
 from dpvr.optim.gradients import ClippedGradients
 from dpvr.trainer.losses import per_sample
 from test_noise_drawn import assert_standard_normal, drawn_noise
@@ -64,7 +66,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         resumed.run()
         refusals = []
         for attempt in (lambda: _train(module=nn.parallel.DistributedDataParallel(_model())),
-                        lambda: _train(algorithm="dp-sgda"),
+                        lambda: _train(algorithm="double-spider"),
                         lambda: _train(runtime=_runtime(seed=5 + rank))):
             try:
                 attempt()
@@ -111,5 +113,244 @@ def test_two_processes_run_one_logical_run(tmp_path) -> None:
     messages = ranks[0]["refusals"]
     assert len(messages) == 3
     assert "DistributedDataParallel" in messages[0] and "ddp_model.module" in messages[0]
-    assert "supports ['dp-sgd', 'dp-gd']" in messages[1]
+    assert "'double-spider' releases clipped sums of per-record scalars" in messages[1]
     assert "the same sampler_seed and noise generator on every process" in messages[2]
+
+
+# ---- every supported algorithm of the front door: DIFF2's rounds, the minimax y-releases -----------------
+def _auc() -> nn.Module:
+    torch.manual_seed(0)
+    return AUCModel(nn.Linear(8, 1))
+
+
+_CROSS = (_model, nn.CrossEntropyLoss())
+_MINIMAX = (_auc, AUCMargin(0.5))
+_DIFF2 = {"algorithm": "diff2", "steps": 4, "restart": 2, "lr": 0.5,
+          "clip": {"restart": 1.0, "difference": 1.0}}
+# Each case: (model, criterion) and make_private's keywords.
+CASES = {
+    "diff2": (_CROSS, _DIFF2),
+    "diff2-bvr-l-sgd": (_CROSS, {**_DIFF2, "routine": "bvr-l-sgd", "local_steps": 2, "local_batch": 20,
+                                 "clip": {"restart": 1.0, "difference": 1.0, "local": 1.0}}),
+    "dp-sgda": (_MINIMAX, {"algorithm": "dp-sgda", "batch_size": 40, "steps": 4, "lr": 0.1, "lr_y": 0.1,
+                           "clip": {"x": 1.0, "y": 1.0}}),
+    "private-diff": (_MINIMAX, {"algorithm": "private-diff", "batch_size": 40, "steps": 4, "restart": 2,
+                                "y_steps": 2, "lr": 0.1, "lr_y": 0.1,
+                                "clip": {"checkpoint": 1.0, "difference": (1.0, 0.0), "y": 1.0}}),
+    "last-iterate": (_CROSS, {"algorithm": "last-iterate", "batch_size": 40, "epochs": 1, "lr": 0.1,
+                              "clip": 1.0, "weak_convexity": 1.0, "smoothness": 1.0}),
+}
+
+
+def _case(name: str, data=None, **changes) -> dpvr.PrivateTrainer:
+    (model, criterion), settings = CASES[name]
+    return dpvr.make_private(model(), criterion, _data() if data is None else data, epsilon=2.0,
+                             runtime=_runtime(), **{**settings, **changes})
+
+
+@contextlib.contextmanager
+def _releases():
+    """Every release's stream, signal (what its noise is added to), drawn noise and noise std, in order."""
+    seen: list[tuple[str, torch.Tensor, torch.Tensor, float]] = []
+    original = dpvr.ops.noisy_update
+
+    def flat(arrays) -> torch.Tensor:
+        return torch.cat([torch.as_tensor(a).detach().double().reshape(-1) for a in arrays])
+
+    def intercepted(v, **kwargs):
+        before = flat(v).clone()
+        signal = flat(kwargs["sum"]) * kwargs.get("scale", 1.0)
+        result = original(v, **kwargs)
+        base = 0.0 if kwargs.get("reset", False) else before
+        seen.append((kwargs["stream"], signal, flat(v) - base - signal, float(kwargs["sigma"])))
+        return result
+
+    dpvr.ops.noisy_update = intercepted
+    try:
+        yield seen
+    finally:
+        dpvr.ops.noisy_update = original
+
+
+def _recordings(trainer: dpvr.PrivateTrainer) -> list[int]:
+    """A counter of the forward and backward passes the algorithm's ghost clipper records."""
+    engine = trainer.algorithm.gradients
+    ghost = getattr(engine, "engine", engine)._ghost
+    count, run = [0], ghost._run
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return run(*args, **kwargs)
+
+    ghost._run = counted
+    return count
+
+
+class _Checked:
+    """The data-parallel engine, each of whose sums is checked against one process's: the same engine
+    unwrapped, over the whole batch (the processes' shares gathered) at the same point."""
+
+    def __init__(self, reduced, world: int) -> None:
+        self.reduced, self.world, self.model, self.mode = reduced, world, reduced.model, reduced.mode
+        self.reference = ClippedGradients(reduced.model, reduced.engine.loss_fn)
+        self.seen: list[tuple[str, float, float]] = []  # (method, largest deviation, largest value)
+
+    def _whole(self, share: torch.Tensor | None) -> torch.Tensor | None:
+        if share is None:
+            return None
+        shares: list = [None] * self.world
+        dist.all_gather_object(shares, share)
+        whole = share.new_empty((sum(len(s) for s in shares), *share.shape[1:]))
+        for rank, s in enumerate(shares):
+            whole[rank :: self.world] = s
+        return whole
+
+    def _check(self, method: str, out, compute, reference, *rows) -> int:
+        before = [o.clone() for o in out]
+        dropped = compute()
+        want = [torch.zeros_like(o) for o in out]
+        assert reference(want, *(self._whole(r) for r in rows)) == dropped
+        got = [o - b for o, b in zip(out, before)]
+        deviation = max(float((g - w).abs().max()) for g, w in zip(got, want))
+        self.seen.append((method, deviation, max(float(w.abs().max()) for w in want)))
+        return dropped
+
+    def sum(self, inputs, targets, clip, out, point=None, norms=None, weights=None, losses=None) -> int:
+        return self._check(
+            "sum", out, lambda: self.reduced.sum(inputs, targets, clip, out, point=point, weights=weights),
+            lambda want, x, y, w: self.reference.sum(x, y, clip, want, point=point, weights=w),
+            inputs, targets, weights)
+
+    def diff_sum(self, inputs, targets, point, previous, clip, out, a=None, b=None) -> int:
+        return self._check(
+            "diff_sum", out,
+            lambda: self.reduced.diff_sum(inputs, targets, point, previous, clip, out, a=a, b=b),
+            lambda want, x, y, a, b: self.reference.diff_sum(x, y, point, previous, clip, want, a=a, b=b),
+            inputs, targets, a, b)
+
+    def rows(self, values, clip, out) -> int:
+        return self._check("rows", out, lambda: self.reduced.rows(values, clip, out),
+                           lambda want, v: self.reference.rows(v, clip, want), values)
+
+
+def _run_case(name: str) -> dict:
+    trainer = _case(name)
+    recordings = _recordings(trainer) if name == "diff2" else [0]
+    checked = None
+    if dist.is_initialized():
+        checked = trainer.algorithm.gradients = _Checked(trainer.algorithm.gradients, dist.get_world_size())
+    with _releases() as seen:
+        infos = trainer.run()
+    return {"params": [p.detach().clone() for p in trainer.model.parameters()],
+            "epsilon": trainer.privacy_spent().epsilon, "releases": seen, "recordings": recordings[0],
+            "nonfinite": [info["nonfinite"] for info in infos], "sums": checked.seen if checked else []}
+
+
+def _refusals() -> list[str]:
+    """What a process group refuses, each at make_private, before anything runs."""
+    two = [_data(), _data()]
+    attempts = (
+        lambda: _case("diff2", algorithm="recursive-spider"),
+        lambda: _case("diff2", data=two),  # two clients, each keeping its own recording
+        lambda: _case("private-diff", y_release="output", lr_y=None, clip={"checkpoint": 1.0,
+                                                                          "difference": (1.0, 0.0)}),
+        lambda: _case("last-iterate", clipping=False),
+    )
+    refusals = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as err:
+            refusals.append(str(err))
+    return refusals
+
+
+def _every_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        runs = {name: _run_case(name) for name in CASES}
+        # The all-reduced clipped sums of differences (a DIFF2 difference round's), and the non-finite count
+        # of the whole batch: one record of rank 1's share is NaN.
+        trainer = _case("diff2")
+        engine = trainer.algorithm.gradients
+        x, y = _data().tensors
+        x = x.clone()
+        x[3, 0] = float("nan")
+        point = [p.detach() for p in trainer.model.parameters()]
+        previous = [q + 0.01 * torch.randn(q.shape, generator=torch.Generator().manual_seed(i))
+                    for i, q in enumerate(point)]
+        differences = [torch.zeros(p.numel()) for p in point]
+        dropped = engine.diff_sum(x[rank::world], y[rank::world], point, previous, 0.5, differences)
+        torch.save({"runs": runs, "differences": differences, "previous": previous, "dropped": dropped,
+                    "refusals": _refusals()}, f"{out}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def every_algorithm(tmp_path_factory) -> tuple[list[dict], dict]:
+    out = str(tmp_path_factory.mktemp("parallel") / "rank")
+    mp.spawn(_every_rank, args=(2, _free_port(), out), nprocs=2)
+    return [torch.load(f"{out}-{r}.pt") for r in range(2)], {name: _run_case(name) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_supported_algorithm_runs_one_logical_run(every_algorithm, name) -> None:
+    ranks, alone = every_algorithm
+    runs, one = [r["runs"][name] for r in ranks], alone[name]
+    # One model on every process, bit for bit, at the one-process run's epsilon (the same accountant).
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
+    assert runs[0]["epsilon"] == runs[1]["epsilon"] == pytest.approx(one["epsilon"])
+    # Every sum the releases read is the whole batch's: one process's sum over the gathered batch at the
+    # same point, to the rounding of the all-reduce's additions (and the same non-finite count).
+    for run in runs:
+        assert run["sums"] and all(deviation <= 1e-5 * max(1.0, top) for _, deviation, top in run["sums"])
+    # The same releases on both processes, in the one-process run's order of streams: each signal, std and
+    # noise bit for bit (the noise drawn once), standard normal over that std.
+    mine, theirs, alone = runs[0]["releases"], runs[1]["releases"], one["releases"]
+    assert [r[0] for r in mine] == [r[0] for r in theirs] == [r[0] for r in alone]
+    for (_, signal, noise, std), (_, signal_1, noise_1, std_1) in zip(mine, theirs):
+        assert torch.equal(signal, signal_1) and torch.equal(noise, noise_1) and std == std_1
+    for stream in {r[0] for r in alone}:
+        assert_standard_normal(stream, torch.cat([n / std for s, _, n, std in mine if s == stream]).numpy())
+    # The first release is at the one-process run's starting point: the same signal (divided by the same
+    # public numbers: a DIFF2 mean is over the client's records, not the process's share) and std. Later
+    # ones differ from it, as their noise does (its keys hash the signal, which differs by rounding).
+    torch.testing.assert_close(mine[0][1], alone[0][1], rtol=1e-5, atol=1e-7)
+    assert mine[0][3] == pytest.approx(alone[0][3], rel=1e-9)
+    assert runs[0]["nonfinite"] == runs[1]["nonfinite"] == one["nonfinite"]
+
+
+def test_diff2_rounds_are_the_whole_batchs(every_algorithm) -> None:
+    ranks, alone = every_algorithm
+    # Both DIFF2-GD rounds were released, each from the whole batch's sum: restart rounds (clipped
+    # gradients) and difference rounds (clipped same-sample differences).
+    assert {"restart", "difference"} <= {r[0] for r in alone["diff2"]["releases"]}
+    assert {method for method, _, _ in ranks[0]["runs"]["diff2"]["sums"]} == {"sum", "diff_sum"}
+    assert {method for method, _, _ in ranks[0]["runs"]["dp-sgda"]["sums"]} == {"sum", "rows"}
+    # Each process reuses its recording of its own records: the one-process run's passes, no more.
+    assert ranks[0]["runs"]["diff2"]["recordings"] == ranks[1]["runs"]["diff2"]["recordings"]
+    assert ranks[0]["runs"]["diff2"]["recordings"] == alone["diff2"]["recordings"] == 4
+    # The all-reduced clipped sum of same-sample differences is the whole batch's, its count too.
+    x, y = _data().tensors
+    x = x.clone()
+    x[3, 0] = float("nan")
+    model = _model()
+    point = [p.detach() for p in model.parameters()]
+    expected = [torch.zeros(p.numel()) for p in point]
+    dropped = ClippedGradients(model, per_sample(nn.CrossEntropyLoss())).diff_sum(
+        x, y, point, ranks[0]["previous"], 0.5, expected)
+    assert ranks[0]["dropped"] == ranks[1]["dropped"] == dropped == 1
+    for got, got_1, want in zip(ranks[0]["differences"], ranks[1]["differences"], expected):
+        assert torch.equal(got, got_1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_what_is_not_all_reduced_is_refused(every_algorithm) -> None:
+    messages = every_algorithm[0][0]["refusals"]
+    assert len(messages) == 4, messages
+    assert "'recursive-spider' releases clipped sums of per-record scalars" in messages[0]
+    assert "clients [1] keep engines of their own" in messages[1] and "reuse_recording=False" in messages[1]
+    assert "y_release: 'output' is not data-parallel" in messages[2]
+    assert "clipping: False asserts" in messages[3]

@@ -30,12 +30,15 @@ def clipped_mean(
     radius: float,
     out: Sequence[torch.Tensor],
     previous: Sequence[torch.Tensor] | None = None,
+    size: int | None = None,
 ) -> int:
     """One client's upload (the paper's ClippedMean, Algorithm 2), written into ``out``.
 
     The mean over ``inputs`` of per-sample gradients at the model's current parameters (``previous`` is
     ``None``), or of same-sample differences between them and ``previous``, each clipped to ``radius``.
     A zero radius (the two points coincide) gives zeros. Returns the number of non-finite samples.
+    ``size``: the records the mean is over, default ``len(inputs)``; a data-parallel process passes its
+    batch's (``inputs`` being its share, and ``gradients`` summing over every process's).
     Every DIFF2 client, in process or remote, computes its upload with this function, so both release
     bitwise the same vectors.
     """
@@ -49,7 +52,7 @@ def clipped_mean(
         params = [p for _, p in trainable_parameters(gradients.model)]
         dropped = gradients.diff_sum(inputs, targets, params, previous, radius, out)
     for t in out:
-        t.div_(len(inputs))
+        t.div_(len(inputs) if size is None else size)
     return dropped
 
 
@@ -106,7 +109,8 @@ class InProcessClients:
         for records, gradients in zip(self.shards, self.gradients):
             # A zero radius releases zeros without reading a record (clipped_mean's early return).
             x, y = records.full() if radius != 0 else records.probe(1)
-            dropped = clipped_mean(gradients, x, y, radius, self._out, None if restart else previous)
+            dropped = clipped_mean(gradients, x, y, radius, self._out, None if restart else previous,
+                                   size=len(records))
             yield self._out, dropped
 
     def local(
@@ -115,7 +119,8 @@ class InProcessClients:
         records = self.shards[client]
         # batch None: a zero radius, which releases zeros without reading a record (clipped_mean).
         x, y = records.probe(1) if batch is None else records.batch(batch)
-        return self._out, clipped_mean(self.gradients[client], x, y, radius, self._out, previous)
+        size = None if batch is None else len(batch)
+        return self._out, clipped_mean(self.gradients[client], x, y, radius, self._out, previous, size=size)
 
 
 def _client_records(p: int, shard: Shard | Records) -> Records:
@@ -306,6 +311,28 @@ class DIFF2(PrivateAlgorithm):
         rng = np.random.default_rng(runtime.sampler_seed)
         self._output_round = int(rng.integers(1, steps + 1)) if output == "random" else None
         self.output_params = [p.detach().clone() for p in self.params] if output == "random" else None
+
+    @property
+    def gradients(self) -> ClippedGradients:
+        """The clipped sums of the in-process clients: client 0's engine, every client's unless each keeps its
+        own recording (``reuse_recording`` with several clients)."""
+        return self._gradients
+
+    @gradients.setter
+    def gradients(self, engine: ClippedGradients) -> None:
+        # Replaced (make_private's data-parallel all-reduce wraps it): every client computing with the old
+        # engine computes with the new one, or a client's sums would silently be this process's share alone.
+        transport = getattr(self, "transport", None)
+        if isinstance(transport, InProcessClients) and engine is not self._gradients:
+            own = [p for p, g in enumerate(transport.gradients) if g is not self._gradients]
+            if own:
+                raise ValueError(
+                    f"gradients: DIFF2's clients {own} keep engines of their own (reuse_recording with "
+                    "several clients), which replacing client 0's (as a data-parallel run over a process "
+                    "group does) would not reach; use one client, or reuse_recording=False"
+                )
+            transport.gradients = [engine] * len(transport.gradients)
+        self._gradients = engine
 
     def _clipped_gradients(self, runtime: RuntimeConfig, reuse: bool) -> ClippedGradients:
         return ClippedGradients(

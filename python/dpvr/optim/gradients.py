@@ -203,6 +203,15 @@ class ClippedGradients:
         count = ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b, nonfinite=self.nonfinite)
         return self._dropped(int(count), len(inputs))
 
+    def rows(self, values: torch.Tensor, clip: float, out: Sequence[torch.Tensor]) -> int:
+        """``out += sum_i clip_C(values_i)`` for per-record vectors computed outside the model's gradients (a
+        minimax problem's y-gradients: one row per record), under the same ``nonfinite`` policy; returns the
+        number of non-finite rows. A sum over the batch like the others, so an engine that all-reduces its
+        sums across processes makes it the whole batch's."""
+        if len(values) == 0:
+            return 0
+        return int(ops.clip_accumulate([values], clip, list(out), nonfinite=self.nonfinite))
+
     def _micro_batches(self, *rows: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, ...]]:
         """``rows`` (per-record tensors, or None) a micro-batch at a time: ``chunk_size`` records, so that the
         recorded activations and output gradients (the step's peak memory) are a micro-batch's. Each

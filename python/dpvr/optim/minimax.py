@@ -276,7 +276,8 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             outputs = self.model(inputs)
         grads = self.problem.y_grads(outputs, targets, self.y)
         self._y_sum.zero_()
-        return int(ops.clip_accumulate([grads], self.clip_y, [self._y_sum], nonfinite=self.nonfinite))
+        # through the engine, like the x-sums: a data-parallel engine all-reduces it to the whole batch's
+        return self.gradients.rows(grads, self.clip_y, [self._y_sum])
 
     def _y_step(self, stream: str, batch_size: int) -> None:
         """``y <- Proj_Y(y + lr_y (y_sum / b + N(0, (sigma_y C0)^2 I)))``: a noisy clipped ascent step."""

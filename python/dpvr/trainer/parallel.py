@@ -9,19 +9,57 @@ same batch of indices and, at each release, the same noise. Only the work on the
 - the clipped sums are all-reduced (summed) before the release (:class:`AllReducedGradients`), so every
   process holds the clipped sum of the whole batch, bit for bit the same on every process.
 
-Privacy: the release is ``sum_i clip(g_i) + N(0, sigma^2)`` with the batch's clipped sum, exactly the
-one-process release (up to the order of the float additions of the all-reduce); the noise is drawn once per
-release in the sense that matters: every process draws the *same* noise from the same key (its generator,
-keys and the signal it is added to are identical), so what the processes hold after the release is one
-value, not P independent noisy copies (which would average the noise down and void the guarantee, or be
-charged P times). One accountant per process, all recording the same releases (the same epsilon
-everywhere); checkpoints are written by rank 0 only.
+Privacy. Every release of a supported algorithm is ``s + N(0, sigma^2 I)`` where the data-dependent part
+``s`` is a sum over the drawn batch of terms each clipped by the algorithm (then divided or scaled by public
+numbers), and everything else in it (the clip radius, the batch size, the divisor, ``sigma``) is computed
+from public state that every process holds identically (released iterates, the shared sampler and seeds,
+the plan). Each process forms the sum of its records' terms and the all-reduce adds them, returning one
+vector to every process: ``s`` is the batch's (the one-process ``s`` up to the order of the float additions;
+each record's term is still clipped by the same kernel, so the sensitivity is unchanged). The noise is then
+drawn once per release in the sense that matters: every process draws the *same* noise from the same key
+(the generator, its state and the ledger's noise context are the same everywhere) and adds it to the same
+``s``, so what the processes hold after the release is one value, bit for bit, not P independent noisy
+copies (which would average the noise down and void the guarantee, or be charged P times). Every process's
+accountant records the same releases of the same plan with the same noise multipliers: the one-process
+epsilon, charged once. Every count reported of the data (``nonfinite``) is all-reduced with the sums: the
+whole batch's. Under ``nonfinite="raise"`` a non-finite record on one process raises on every process
+(after the all-reduce, so none waits for the others). Checkpoints are written by rank 0 only.
 
-Supported: the DP-SGD family (``dp-sgd``, ``dp-gd``), whose releases all go through the clipped sum.
-The other algorithms release quantities computed outside it (dual variables, y-gradients, the STORM
-estimate ``s``), which this split does not all-reduce: they are refused under a process group. A model
-already wrapped in ``DistributedDataParallel`` is refused: its own gradient all-reduce would run beside
-dpvr's. A checkpoint is written by rank 0 and loaded by every process (the same file): the re-run's segment
+Supported, and what each release's ``s`` is (each one a sum through the clipped-gradient engine, which
+:class:`AllReducedGradients` all-reduces):
+
+- ``dp-sgd``, ``dp-gd``, ``last-iterate``: the batch's clipped sum of per-sample gradients.
+- ``diff2`` (GD and BVR-L-SGD routines): restart rounds, a client's clipped sum of per-sample gradients;
+  difference rounds and local steps, its clipped sum of same-sample gradient differences (``diff_sum``);
+  each divided by the client's whole number of records (or the local batch's), public. The difference
+  radius ``C2 ||x_{r-1} - x_{r-2}||`` (capped) is a function of released iterates; BVR-L-SGD's local
+  batches are drawn by the client's sampler, seeded from the shared seed, so every process draws the same
+  ones; ``output="random"``'s round comes from the shared seed too. Each process keeps the ghost-clipping
+  recording of its own records (:meth:`ShardedRecords.full` returns the same share every round), so a
+  difference round costs one forward and one backward pass over the process's share, as in one process. One
+  client (or several with ``reuse_recording=False``: each client keeping its own recording keeps its own
+  engine, which the all-reduce does not wrap).
+- ``dp-sgda``, ``private-diff`` with ``y_release="ascent"``: the x-releases as above (``private-diff``'s
+  difference rounds through ``diff_sum``, its radius from released iterates); each y-release's ``s`` is the
+  batch's clipped sum of per-record y-gradients (:meth:`~dpvr.optim.gradients.ClippedGradients.rows`),
+  all-reduced likewise; ``y`` and its projection are then computed from released values.
+
+Refused under a process group, each because a release's data-dependent part is not such a sum:
+
+- ``private-diff`` with ``y_release="output"``: ``y_hat`` is the output of a certified float64 solve of the
+  inner problem over every record's model output; its iterations and stopping rule depend on the data, and
+  its rounding allowance (:class:`~dpvr.optim.minimax.YRounding`) assumes one pairwise-summation tree over
+  the ``n`` records in one process. Solved per process it would release P different values under the same
+  noise; solved on every process from gathered outputs it would rely on bitwise-identical float solves.
+- ``double-spider``, ``recursive-spider``: the eta- and u-streams are clipped sums of per-record scalars
+  formed with the clip kernels directly, outside the engine, and Recursive-SPIDER's ``s`` stream is a clamped
+  one-record STORM term: this split would release one process's share of them.
+- ``last-iterate`` with ``clipping=False``: it asserts every per-example gradient norm of the batch is at
+  most ``C``, from norms each process holds only for its share.
+- a model already wrapped in ``DistributedDataParallel``: its own gradient all-reduce would run beside
+  dpvr's.
+
+A checkpoint is written by rank 0 and loaded by every process (the same file): the re-run's segment
 derives from the shared seed, so the processes go on in step, and they are checked to agree.
 """
 
@@ -30,7 +68,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,9 +79,17 @@ from torch import nn
 from ..ops import NoiseGenerator
 from ..optim import RuntimeConfig
 from ..optim.gradients import ClippedGradients
-from ..optim.records import Batch, Records
+from ..optim.records import CHUNK, Batch, DatasetRecords, Records, TensorRecords
 
-SUPPORTED = ("dp-sgd", "dp-gd")
+SUPPORTED = ("dp-sgd", "dp-gd", "last-iterate", "diff2", "dp-sgda", "private-diff")
+# Why the others are refused (the module documentation says more).
+REFUSED = {
+    "double-spider": "releases clipped sums of per-record scalars (its eta stream) formed outside the "
+                     "clipped-gradient engine, which are not all-reduced here",
+    "recursive-spider": "releases clipped sums of per-record scalars (its u stream) and a one-record STORM "
+                        "term (its s stream) formed outside the clipped-gradient engine, which are not "
+                        "all-reduced here",
+}
 
 
 class DataParallel:
@@ -63,7 +109,10 @@ class DataParallel:
             group = dist.group.WORLD
         return cls(group)
 
-    def check(self, algorithm: str, module: nn.Module) -> None:
+    def check(self, algorithm: str, module: nn.Module, settings: Mapping[str, Any] | None = None) -> None:
+        """Refuses (``ValueError``) what this split cannot run as one logical run: a model wrapped in
+        ``DistributedDataParallel``, an algorithm outside :data:`SUPPORTED`, and, from the algorithm's
+        ``settings`` when given, the settings of a supported one whose releases are not all-reduced."""
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(
                 "module: wrapped in DistributedDataParallel, whose gradient all-reduce would run beside "
@@ -71,10 +120,23 @@ class DataParallel:
                 "make_private trains data-parallel over the process group itself"
             )
         if algorithm not in SUPPORTED:
+            why = REFUSED.get(algorithm, "releases quantities that are not all-reduced here")
             raise ValueError(
                 f"algorithm: data-parallel training over a process group supports {list(SUPPORTED)}; "
-                f"{algorithm!r} releases quantities that are not all-reduced here: run it in one process "
-                "(DIFF2 across processes: dpvr.distributed)"
+                f"{algorithm!r} {why}: run it in one process (DIFF2 across processes: dpvr.distributed)"
+            )
+        settings = settings or {}
+        if algorithm == "private-diff" and settings.get("y_release") == "output":
+            raise ValueError(
+                "y_release: 'output' is not data-parallel: its y is a certified solve of the inner problem "
+                "over every record's model output, not a sum that the processes' shares all-reduce to; use "
+                "y_release='ascent' over a process group, or run it in one process"
+            )
+        if settings.get("clipping") is False:
+            raise ValueError(
+                "clipping: False asserts that every per-example gradient norm of a batch is at most clip, "
+                "which no process can check over a process group (each sees its share's norms); keep "
+                "clipping=True, or run it in one process"
             )
 
     def runtime(self, runtime: RuntimeConfig) -> RuntimeConfig:
@@ -127,12 +189,36 @@ class ShardedRecords(Records):
 
     def __init__(self, records: Records, rank: int, world: int) -> None:
         self.records, self.rank, self.world = records, rank, world
+        self._full: tuple[tuple[Any, ...], Batch] | None = None  # the share of the full batch, and its key
 
     def __len__(self) -> int:
         return len(self.records)
 
     def batch(self, indices: np.ndarray | Sequence[int]) -> Batch:
         return self.records.batch(np.asarray(indices)[self.rank :: self.world])
+
+    def full(self) -> Batch:
+        """This process's share of every record. Kept, and the same tensors returned, while the records'
+        own full batch would be the same tensors (tensors unchanged since, or a dataset with
+        ``cache_full``), so that each process reuses its recording of its own records (DIFF2-GD's
+        difference rounds); loaded afresh otherwise, as the records' own full batch is."""
+        records = self.records
+        if isinstance(records, TensorRecords):
+            key: tuple[Any, ...] | None = (records.inputs, records.inputs._version,
+                                           records.targets, records.targets._version)
+        else:
+            key = () if isinstance(records, DatasetRecords) and records.cache_full else None
+        if key is None:
+            return self.batch(np.arange(len(self)))
+        if self._full is None or not _same(self._full[0], key):
+            self._full = key, self.batch(np.arange(len(self)))
+        return self._full[1]
+
+    def chunks(self, size: int = CHUNK) -> Iterator[Batch]:
+        raise ValueError(
+            "a pass over every record (PrivateDiff's y_release='output') is not split across the processes "
+            "of a data-parallel run: run it in one process"
+        )
 
     def probe(self, k: int = 1) -> Batch:
         return self.records.probe(k)
@@ -144,9 +230,16 @@ class ShardedRecords(Records):
         self.records.close()
 
 
+def _same(kept: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
+    """Whether ``key`` holds the very objects of ``kept`` (tensors by identity, versions by value)."""
+    return len(kept) == len(key) and all(a is b or (isinstance(a, int) and a == b) for a, b in zip(kept, key))
+
+
 class AllReducedGradients:
     """A :class:`~dpvr.optim.gradients.ClippedGradients` whose sums are the whole batch's: each process's
-    clipped sum of its records, all-reduced (one flat buffer per call), added to ``out``."""
+    clipped sum of its records, all-reduced (one flat buffer per call, with the non-finite count), added to
+    ``out``. A record that raises under ``nonfinite="raise"`` raises on every process, after the
+    all-reduce."""
 
     def __init__(self, engine: ClippedGradients, group: Any) -> None:
         self.engine, self.group = engine, group
@@ -155,28 +248,48 @@ class AllReducedGradients:
     def mode(self) -> str:
         return self.engine.mode
 
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.model
+
     def sum(self, inputs: torch.Tensor, targets: torch.Tensor, clip: float, out: Sequence[torch.Tensor],
             point: Sequence[torch.Tensor] | None = None, norms: torch.Tensor | None = None,
             weights: torch.Tensor | None = None, losses: torch.Tensor | None = None) -> int:
         if norms is not None:
             raise ValueError("norms: not gathered across processes (clipping=False is not data-parallel)")
-        scratch = [torch.zeros_like(o) for o in out]
-        dropped = self.engine.sum(inputs, targets, clip, scratch, point=point, weights=weights, losses=losses)
-        return self._reduce(scratch, out, dropped)
+        return self._reduce(out, lambda scratch: self.engine.sum(inputs, targets, clip, scratch, point=point,
+                                                                 weights=weights, losses=losses))
 
     def diff_sum(self, inputs: torch.Tensor, targets: torch.Tensor, point: Sequence[torch.Tensor],
                  previous: Sequence[torch.Tensor], clip: float, out: Sequence[torch.Tensor],
                  a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> int:
-        scratch = [torch.zeros_like(o) for o in out]
-        dropped = self.engine.diff_sum(inputs, targets, point, previous, clip, scratch, a=a, b=b)
-        return self._reduce(scratch, out, dropped)
+        return self._reduce(out, lambda scratch: self.engine.diff_sum(inputs, targets, point, previous, clip,
+                                                                      scratch, a=a, b=b))
 
-    def _reduce(self, scratch: list[torch.Tensor], out: Sequence[torch.Tensor], dropped: int) -> int:
+    def rows(self, values: torch.Tensor, clip: float, out: Sequence[torch.Tensor]) -> int:
+        return self._reduce(out, lambda scratch: self.engine.rows(values, clip, scratch))
+
+    def _reduce(self, out: Sequence[torch.Tensor], local: Any) -> int:
+        """``local(scratch)`` (this process's sum into zeroed ``scratch``, returning its non-finite count),
+        all-reduced and added to ``out``; the whole batch's non-finite count."""
+        scratch = [torch.zeros_like(o) for o in out]
+        failure: FloatingPointError | None = None
+        try:
+            dropped = local(scratch)
+        except FloatingPointError as err:  # nonfinite="raise": every process must leave the all-reduce too
+            failure, dropped = err, 0
+        like = scratch[0]
         flat = torch.cat([s.reshape(-1) for s in scratch]
-                         + [torch.tensor([float(dropped)], dtype=scratch[0].dtype, device=scratch[0].device)])
+                         + [torch.tensor([float(dropped), float(failure is not None)], dtype=like.dtype,
+                                         device=like.device)])
         dist.all_reduce(flat, group=self.group)
+        if failure is not None:
+            raise failure
+        if flat[-1] > 0:
+            raise FloatingPointError("a record of this batch on another process of the data-parallel run had "
+                                     "non-finite values (nonfinite='raise')")
         start = 0
         for o in out:
             o.add_(flat[start : start + o.numel()].view_as(o))
             start += o.numel()
-        return int(flat[-1])
+        return int(flat[-2])

@@ -111,7 +111,8 @@ def make_private(
         process_group: a ``torch.distributed`` group to train data-parallel over (default: the initialised
             default group when it has more than one process): one logical run, every process drawing the
             same batches and noise, loading and clipping its share of each batch, the clipped sums
-            all-reduced (:mod:`dpvr.trainer.parallel`; ``dp-sgd`` and ``dp-gd``).
+            all-reduced (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``,
+            ``dp-sgda``, ``private-diff`` with ``y_release="ascent"``; the SPIDERs are refused).
         **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
             its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
             ``epsilon``. The schedule settings left out (DIFF2's and PrivateDiff's ``restart``,
@@ -164,7 +165,7 @@ def make_private(
     dtype, device = params[0].dtype, params[0].device
     parallel = DataParallel.detect(process_group)
     if parallel is not None:
-        parallel.check(algorithm, module)
+        parallel.check(algorithm, module, settings)
     minimax = spec.problem == "minimax"
     if minimax != isinstance(criterion, MinimaxProblem):
         raise TypeError(
