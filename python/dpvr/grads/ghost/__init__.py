@@ -22,11 +22,16 @@ of activations and output gradients, table rows, or materialised vectors (:mod:`
   weight gradient per sample), which then serves both the norm and the clipped sum;
 - every other module with trainable parameters of its own is a *fallback* layer (:mod:`.fallback`): the
   per-sample gradients of its own parameters are materialised from its recorded inputs and output gradients
-  (``torch.func.vjp`` of that module alone; no second pass through the model). Modules that share a
-  parameter are fallback layers too. ``MultiheadAttention`` (:mod:`.attention`) and the recurrent layers
-  (:mod:`.recurrent`) are fallback layers with rules that know their layouts; in the common configuration
-  attention runs as its parts during the recording, whose projections and attended values then give its
-  per-sample gradients without computing anything twice (:meth:`GhostRule.recording_forward`).
+  (``torch.func.vjp`` of that module alone; no second pass through the model). ``MultiheadAttention``
+  (:mod:`.attention`) and the recurrent layers (:mod:`.recurrent`) are fallback layers with rules that know
+  their layouts; in the common configuration attention runs as its parts during the recording, whose
+  projections and attended values then give its per-sample gradients without computing anything twice
+  (:meth:`GhostRule.recording_forward`);
+- a parameter used by several modules (a tied embedding and output head) gets the sum of their parts
+  (:func:`.rules.shared`): two linear maps' or two tables' as more pieces of one part, a table and a linear
+  map holding one matrix as a :class:`Tied` part, whose norm adds the cross term of the two from the
+  recorded tensors (``O(B T S d)``, no per-sample ``V x d`` matrix); with a materialised part among them (a
+  fallback layer's, or a map's worth materialising), every module's part is materialised and summed.
 
 Memory: every layer's recorded tensors must live until all norms are known (a clip factor depends on every
 layer), so a recording holds no more than its parts need — layer outputs are not held through the backward
@@ -43,7 +48,7 @@ Norms and clip factors are computed by the native host kernels (:func:`dpvr.ops.
 from . import attention, embedding, linear, normalization, recurrent  # noqa: F401  (they register rules)
 from .clipper import ClippedSum, GhostClipper
 from .fallback import VjpRule, per_sample_vjp
-from .rules import Dense, GhostRule, LayerCall, Outer, Part, Rows, register_ghost_rule
+from .rules import Dense, GhostRule, LayerCall, Outer, Part, Rows, Tied, register_ghost_rule
 
 __all__ = [
     "ClippedSum",
@@ -54,6 +59,7 @@ __all__ = [
     "Outer",
     "Part",
     "Rows",
+    "Tied",
     "VjpRule",
     "per_sample_vjp",
     "register_ghost_rule",

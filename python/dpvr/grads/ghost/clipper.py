@@ -20,7 +20,7 @@ from ... import ops
 from ..materialized import Grads, LossFn, _check_point, clip_dtype, trainable_parameters
 from . import norms as torch_norms
 from .fallback import VjpRule
-from .rules import Dense, GhostRule, LayerCall, Outer, Part, Rows, rule_for
+from .rules import Dense, GhostRule, LayerCall, Outer, Part, Rows, Tied, rule_for, shared
 
 NormForm = Literal["auto", "gram", "direct"]
 Backend = Literal["auto", "native", "torch"]
@@ -188,9 +188,10 @@ class GhostClipper:
     and the rules, norms and clipped sums run with autocast off, so the guarantee above holds unchanged
     (for the per-sample gradients of the half-precision activations).
 
-    Requirements: a trainable parameter is used only by the forward of the module that owns it (or of an
-    ancestor whose rule owns its submodules, like ``MultiheadAttention``), and each such module runs in every
-    forward pass; fallback modules take and return batch-first tensors; all parameters on one device.
+    Requirements: a trainable parameter is used only by the forwards of the modules that own it (several may,
+    as a tied embedding and output head do; or of an ancestor whose rule owns its submodules, like
+    ``MultiheadAttention``), and each such module runs in every forward pass; fallback modules take and
+    return batch-first tensors; all parameters on one device.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, norm_form: NormForm = "auto",
@@ -239,14 +240,10 @@ class GhostClipper:
                       if id(p) in self._index_of]
             if params:
                 found.append((name, module, params, rule, subtree))
-        owners = [k for _, _, params, _, _ in found for _, k in params]
         layers = []
         for name, module, params, rule, subtree in found:
             attrs = {attr for attr, _ in params}
-            shared = any(owners.count(k) > 1 for _, k in params)
-            fits = rule is not None and (rule.parameters is None or attrs <= set(rule.parameters))
-            # A shared parameter's per-sample gradient adds its modules' terms: they must be materialised.
-            if not fits or (shared and not issubclass(rule, VjpRule)):
+            if rule is None or not (rule.parameters is None or attrs <= set(rule.parameters)):
                 rule = VjpRule
             trainable = [attr for attr, _ in params]
             layers.append(_Layer(name or "<model>", module, params, rule(module, trainable), subtree))
@@ -563,8 +560,8 @@ class GhostClipper:
         """``(parameter index, part)`` of every trainable parameter."""
         for r in (rec, rec_b) if rec_b is not None else (rec,):
             self._check_unmodified(r)
-        parts: list[tuple[int, Part]] = []
-        shared: dict[int, Tensor] = {}  # materialised gradients of shared parameters, summed over modules
+        parts: list[tuple[int, Part | Tied]] = []
+        used: dict[int, list[Part]] = {}  # the parts of each shared parameter, one per module using it
         with torch.no_grad():
             for layer in self._layers:
                 got, materialised = self._gradient_parts(rec, layer)
@@ -579,10 +576,12 @@ class GhostClipper:
                 for attr, k in layer.params:
                     part = got[attr]
                     if k in self._shared:
-                        shared[k] = shared[k] + part.u if k in shared else part.u
+                        used.setdefault(k, []).append(part)
                     else:
                         parts.append((k, part))
-        return parts + [(k, Dense(u)) for k, u in shared.items()]
+            # A shared parameter's per-sample vector adds its modules' terms (ghost where they pair up).
+            parts += [(k, shared(ps, self._named[k][1].shape)) for k, ps in used.items()]
+        return parts
 
     @staticmethod
     def _checked(layer: _Layer, got: dict[str, Part]) -> dict[str, Part]:
@@ -616,38 +615,45 @@ class GhostClipper:
         without a difference form of its own) rather than reading its recorded calls."""
         return materialised or type(layer.rule).difference is GhostRule.difference
 
-    def _clip(self, parts: list[tuple[int, Part]], clip: float, weights: Tensor | None,
+    def _clip(self, parts: list[tuple[int, Part | Tied]], clip: float, weights: Tensor | None,
               batch: int) -> tuple[Grads, Tensor]:
         """The clipped sums of ``parts`` and the norms of the samples' vectors.
 
         The bound, in the parameters' dtype T (unit roundoff u): what is written for one sample alone (the
         sum of a batch of one) has norm at most ``clip``.
 
-        1. Every :class:`Rows` part is coalesced first (:meth:`Rows.coalesced`: each sample's rows of one
-           key summed into one row in T; a difference's in float64, rounded once), so its entries ``r`` are
-           what will be written, and :class:`Dense` entries are written as they are. The norm bound
-           ``n_i >= ||u_i||`` (native or torch ghost norms, which include their own float64 rounding) is of
-           exactly these entries, with the exact per-sample matrices of the :class:`Outer` parts' pieces.
+        1. Every :class:`Rows` part (a :class:`Tied` part's too) is coalesced first (:meth:`Rows.coalesced`:
+           each sample's rows of one key summed into one row in T; a difference's in float64, rounded once),
+           so its entries ``r`` are what will be written, and :class:`Dense` entries are written as they are.
+           The norm bound ``n_i >= ||u_i||`` (native or torch ghost norms, which include their own float64
+           rounding, plus a Tied part's cross term with its bound: :func:`~dpvr.grads.ghost.norms._cross`)
+           is of exactly these entries, with the exact per-sample matrices of the :class:`Outer` parts'
+           pieces.
         2. ``E_i`` (:func:`~dpvr.grads.ghost.norms.write_error`) bounds what an Outer part's matmul (a sum of
-           ``K`` rounded terms per entry, which may cancel) and a reduced-precision matmul add beyond one
-           rounding per entry: ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``. The factor is formed from
+           ``K`` rounded terms per entry, which may cancel), a reduced-precision matmul and a Tied part's
+           addition of its rows into its matmul add beyond one rounding per entry:
+           ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``. The factor is formed from
            ``N_i >= n_i + E_i`` by the kernels' own rule and margin (``ops.clip_factors`` /
            ``norms.clip_factors``): ``f N_i <= C (1 - margin)`` in float64 with ``margin >= 2 u``, and the
            factor stored in T is ``f' <= f (1 + u)``.
-        3. Each written entry of a Rows or Dense part is ``fl(f' r)``: ``|w_j - f' r_j| <= u f' |r_j|``. So
+        3. Each written entry of a Rows or Dense part is ``fl(f' r)``: ``|w_j - f' r_j| <= u f' |r_j|``
+           (a Tied part's rounding is all in its ``E_i``, step 2). So
            ``||w_i|| <= f' (||u_i|| + u ||u_i|| + E_i) <= (1 + u) f' N_i <= (1 + u)^2 C (1 - 2u) < C``.
 
         The returned norms are the bounds ``n_i`` (times ``|w_i|``). Several samples' terms added into one
         entry round like any floating-point accumulation, as in the fused kernels.
         """
         dtype = self._dtype
-        parts = [(k, p.coalesced() if isinstance(p, Rows) else p) for k, p in parts]
+        parts = [(k, p.coalesced() if isinstance(p, (Rows, Tied)) else p) for k, p in parts]
         error = torch_norms.write_error(parts, batch, dtype, self._device)
         if self.backend == "native":
+            # The kernels measure a tied part's two parts apart; its cross term is added in torch.
+            apart = [q for _, p in parts for q in ((p.rows, p.outer) if isinstance(p, Tied) else (p,))]
             norms_sq = torch.empty(batch, dtype=torch.float64)
-            ops.ghost_norms(norms_sq, outer=[p.pieces for _, p in parts if isinstance(p, Outer)], index=[],
-                            dense=[p.u if isinstance(p, Dense) else p.flat() for _, p in parts
+            ops.ghost_norms(norms_sq, outer=[p.pieces for p in apart if isinstance(p, Outer)], index=[],
+                            dense=[p.u if isinstance(p, Dense) else p.flat() for p in apart
                                    if isinstance(p, (Dense, Rows))], form=self.norm_form)
+            norms_sq = torch_norms.with_cross_terms(norms_sq, [p for _, p in parts])
             factors = torch.empty(batch, dtype=dtype)
             norms = torch.empty(batch, dtype=dtype)
             dirty = ops.clip_factors(torch_norms.with_write_error(norms_sq, error), clip, factors,

@@ -65,9 +65,9 @@ def per_sample_vjp(module: nn.Module, call: LayerCall, wrt: Sequence[str], in_di
 
 class VjpRule(GhostRule):
     """Materialised per-sample gradients of the module's parameters (:func:`per_sample_vjp`): the rule of
-    every module without a registered one, and of modules that share a parameter with another (their
-    gradients are then added). Subclasses override :meth:`in_dim` and :meth:`out_dims` for modules that are
-    not batch-first, and set ``loop`` for modules that ``vmap`` cannot batch."""
+    every module without a registered one (a parameter it shares with another module gets the sum of both
+    modules' terms, materialised). Subclasses override :meth:`in_dim` and :meth:`out_dims` for modules that
+    are not batch-first, and set ``loop`` for modules that ``vmap`` cannot batch."""
 
     parameters = None
     loop: ClassVar[bool] = False

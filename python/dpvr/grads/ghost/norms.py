@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ... import ops
-from .rules import Dense, Outer, Part, Rows
+from .rules import Dense, Outer, Part, Rows, Tied
 
 U64 = 2.0 ** -53
 _MAX_SCRATCH = 1 << 24  # float64 entries of one chunk's per-sample matrices (128 MiB)
@@ -96,24 +96,102 @@ def _dense(part: Dense) -> tuple[Tensor, Tensor, float]:
     return sumsq, sumsq.abs(), float(u.shape[1])
 
 
-def ghost_norms(parts: Sequence[Part], batch: int, device: torch.device, form: str) -> Tensor:
-    """Float64 ``(B,)`` upper bounds on the squared norms of the samples' vectors (the concatenation of all
-    parts); NaN for a sample whose data is not finite. The bound of :func:`dpvr.ops.ghost_norms`."""
-    sumsq = torch.zeros(batch, dtype=torch.float64, device=device)
-    bound, magnitude = torch.zeros_like(sumsq), torch.zeros_like(sumsq)
-    for part in parts:
-        if isinstance(part, Outer):
-            s, r2, chain = _outer(part, form)
-        elif isinstance(part, Rows):
-            s, r2, chain = _rows(part)
-        else:
-            s, r2, chain = _dense(part)
+def _cross(part: Tied) -> tuple[Tensor, Tensor]:
+    """``2 <r_i, h_i>`` of a coalesced :class:`Tied` part, computed in float64, and a bound on its rounding.
+
+    With the table's rows ``r_k`` (keys ``K_k``, the ``K`` slots of the coalesced part) and the map's pieces
+    ``(M, N)`` (steps ``s``), ``<r, h> = sum_k sum_s N[s, K_k] <r_k, M_s>``: the ``(K, S)`` dot products of
+    width ``d`` and the gathered entries of ``N``, ``O(B K S d)`` work and ``O(K S)`` scratch per sample, no
+    ``(V, d)`` matrix.
+
+    Bound: the inputs convert to float64 exactly, so every elementary product ``N r m`` of the exact sum
+    meets the roundings of one chain of at most ``chain = d + 1 + sum_j K S_j + pieces`` operations (the
+    dot product's ``d`` products and additions in any order, the product with ``N``, the additions over all
+    slots, steps and pieces), hence the computed value is within ``gamma_chain R`` of the exact one, where
+    ``R = sum_{k,s} |N[s, K_k]| ||r_k|| ||M_s||`` bounds the sum of the products' magnitudes (Cauchy-Schwarz
+    over ``d``). ``R`` is computed in float64 with a relative error below ``gamma_{chain + 8}`` (``d``
+    squares, a square root, ``K`` and ``S`` additions, ``K + S <= K S + 1``), so for
+    ``(chain + 8) u <= 1/100`` the returned ``2 * 2 (chain + 8) u R`` exceeds twice the error (doubling is
+    exact) even after its own float64 product; the summation of terms (:func:`_upper_sum`) adds the rest.
+    """
+    ((keys, rows),) = part.rows.pieces
+    batch = keys.shape[0]
+    keys = keys.reshape(batch, -1)
+    slots = keys.shape[1]
+    r = rows.reshape(batch, slots, -1).to(torch.float64)
+    r_norms = torch.linalg.vector_norm(r, dim=2)
+    value = torch.zeros(batch, dtype=torch.float64, device=r.device)
+    magnitude = torch.zeros_like(value)
+    chain = float(r.shape[2] + 1 + len(part.outer.pieces))
+    for m, n in part.outer.pieces:
+        m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+        steps = m3.shape[1]
+        chain += steps * slots
+
+        def piece(s: slice, m3=m3, n3=n3, steps=steps) -> tuple[Tensor, Tensor]:
+            mm = m3[s].to(torch.float64)
+            # N[s, K_k]: the entries of the map's side that the table's keys index, gathered exactly.
+            g = n3[s].gather(2, keys[s].unsqueeze(1).expand(-1, steps, -1)).to(torch.float64)  # (b, S, K)
+            v = (g * (mm @ r[s].transpose(1, 2))).sum(dim=(1, 2))
+            bound = ((g.abs() @ r_norms[s].unsqueeze(-1)).squeeze(-1)
+                     * torch.linalg.vector_norm(mm, dim=2)).sum(dim=1)
+            return v, bound
+        v, bound = _chunked(batch, 3 * steps * slots, piece)
+        value += v
+        magnitude += bound
+    if (chain + 8.0) * U64 > 0.01:
+        raise ValueError(f"a tied parameter's cross term sums {chain:.0f} terms: too many for its rounding "
+                         "to be bounded")
+    return 2.0 * value, (4.0 * (chain + 8.0) * U64) * magnitude
+
+
+def _upper_sum(terms: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """An upper bound on the sum of exact values, each given as a float64 ``(value, bound)`` pair with
+    ``exact <= value + bound``; NaN where a value is not finite. Summing the terms adds at most
+    ``(terms + 4) u`` of their magnitudes; the final ``(1 + 8u)`` covers the rounding of this line (the
+    bounds carry slack for their own)."""
+    sumsq, bound = terms[0][0].clone(), terms[0][1].clone()
+    magnitude = sumsq.abs()
+    for s, b in terms[1:]:
         sumsq += s
+        bound += b
         magnitude += s.abs()
-        bound += (2.0 * (chain + 8.0) * U64) * r2
-    # Summing the parts adds at most (parts + 4) u of their magnitudes; the final (1 + 8u) covers this line.
-    upper = (sumsq.clamp(min=0) + bound + ((len(parts) + 4.0) * U64) * magnitude) * (1.0 + 8.0 * U64)
+    upper = (sumsq.clamp(min=0) + bound + ((len(terms) + 4.0) * U64) * magnitude) * (1.0 + 8.0 * U64)
     return upper.masked_fill(~torch.isfinite(upper), float("nan"))
+
+
+def _term(part: Part, form: str) -> tuple[Tensor, Tensor]:
+    """A part's squared norm and the bound on its rounding."""
+    if isinstance(part, Outer):
+        s, r2, chain = _outer(part, form)
+    elif isinstance(part, Rows):
+        s, r2, chain = _rows(part)
+    else:
+        s, r2, chain = _dense(part)
+    return s, (2.0 * (chain + 8.0) * U64) * r2
+
+
+def ghost_norms(parts: Sequence[Part | Tied], batch: int, device: torch.device, form: str) -> Tensor:
+    """Float64 ``(B,)`` upper bounds on the squared norms of the samples' vectors (the concatenation of all
+    parts); NaN for a sample whose data is not finite. The bound of :func:`dpvr.ops.ghost_norms`; a
+    :class:`Tied` part adds its cross term (:func:`_cross`)."""
+    terms: list[tuple[Tensor, Tensor]] = []
+    for part in parts:
+        if isinstance(part, Tied):
+            terms += [_term(part.rows, form), _term(part.outer, form), _cross(part)]
+        else:
+            terms.append(_term(part, form))
+    return _upper_sum(terms) if terms else torch.zeros(batch, dtype=torch.float64, device=device)
+
+
+def with_cross_terms(norms_sq: Tensor, parts: Sequence[Part | Tied]) -> Tensor:
+    """``norms_sq``, upper bounds on the squared norms of the parts with every :class:`Tied` part taken as
+    its two parts apart (as the native kernels measure them), plus the Tied parts' cross terms: upper bounds
+    on the squared norms of the samples' vectors."""
+    cross = [_cross(p) for p in parts if isinstance(p, Tied)]
+    if not cross:
+        return norms_sq
+    return _upper_sum([(norms_sq, torch.zeros_like(norms_sq)), *cross])
 
 
 def reduced_precision_unit(conv: bool, device: torch.device) -> float:
@@ -127,12 +205,12 @@ def reduced_precision_unit(conv: bool, device: torch.device) -> float:
     return unit
 
 
-def write_error(parts: Sequence[tuple[int, Part]], batch: int, dtype: torch.dtype,
+def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: torch.dtype,
                 device: torch.device) -> Tensor | None:
     """Float64 ``(B,)`` bounds ``E_i`` on the rounding of what the clipped sums write for one sample, beyond
     one rounding per entry: ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``, where ``w_i`` is what
-    :meth:`Outer.total`, :meth:`Rows.total` and :meth:`Dense.total` write for sample i alone with the factor
-    ``f_i`` (in ``dtype``, unit roundoff ``u``). None when every ``E_i`` is 0.
+    :meth:`Outer.total`, :meth:`Rows.total`, :meth:`Dense.total` and :meth:`Tied.total` write for sample i
+    alone with the factor ``f_i`` (in ``dtype``, unit roundoff ``u``). None when every ``E_i`` is 0.
 
     A coalesced :class:`Rows` part and a :class:`Dense` part write ``fl(f_i r)`` per entry ``r``: one
     rounding, no ``E``. An :class:`Outer` part writes ``sum_t (f_i n_t) m_t^T`` over its ``K`` steps (of all
@@ -146,36 +224,57 @@ def write_error(parts: Sequence[tuple[int, Part]], batch: int, dtype: torch.dtyp
     product's two inputs may be rounded too (:func:`reduced_precision_unit`: ``u'``), which adds ``2 u'`` to
     ``k u``; a Dense part, whose sum is a matmul, then has ``k u = 2 u'`` and ``R_i = ||u_i||``. ``R_i`` is
     computed in float64 and rounded up.
+
+    A :class:`Tied` part (``u_i = r_i + h_i``, rows coalesced) writes ``w = fl(o + fl(f r))`` per entry,
+    ``o`` its Outer part's matmul: ``||o - f h|| <= f E_h`` (above), ``||fl(f r) - f r|| <= u f ||r||``,
+    and the final addition adds at most ``u ||o + fl(f r)|| <= u f (||u_i|| + E_h + u ||r||)``, so
+    ``E_i = (1 + u) (E_h + u ||r_i||)``: relative to ``||r_i||``, which may be far above ``||u_i||`` when
+    the table's and the map's terms cancel.
     """
     unit = 2.0 ** -24 if dtype == torch.float32 else U64
     error: Tensor | None = None
     for _, part in parts:
-        reduced = 0.0
-        if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
-            reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
-        if isinstance(part, Outer):
-            r = torch.zeros(batch, dtype=torch.float64, device=device)
-            terms, width = 0, 0
-            for m, n in part.pieces:
-                m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
-                r += (torch.linalg.vector_norm(m3, dim=-1, dtype=torch.float64)
-                      * torch.linalg.vector_norm(n3, dim=-1, dtype=torch.float64)).sum(dim=1)
-                terms, width = terms + m3.shape[1], max(width, m3.shape[-1] + n3.shape[-1])
-            rounds = (terms + 1) * unit + reduced
-        elif isinstance(part, Dense) and reduced > 0.0:
-            u = part.u.reshape(part.u.shape[0], -1)
-            r = torch.linalg.vector_norm(u, dim=-1, dtype=torch.float64)
-            terms, width, rounds = 1, u.shape[-1], reduced
+        if isinstance(part, Tied):
+            e = _part_error(part.outer, batch, dtype, device, unit)
+            rows = part.rows.flat()
+            r = (torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64)
+                 * (1.0 + 2.0 * (rows.shape[-1] + 8) * U64))  # rounded up
+            e = unit * r if e is None else e + unit * r
+            e = e * (1.0 + unit + 16.0 * U64)  # (1 + u), and this line's float64 roundings
         else:
-            continue
-        if rounds >= 0.5:
-            raise ValueError(f"a layer's clipped sum adds {terms} terms per entry: too many for the rounding "
-                             f"of {dtype} to be bounded; use float64 parameters")
-        # R's own float64 roundings (norms over the widths, products, the sum over the steps), rounded up.
-        e = (rounds / (1.0 - rounds)) * (1.0 + 2.0 * (width + terms + 8) * U64) * r
-        error = e if error is None else error + e
+            e = _part_error(part, batch, dtype, device, unit)
+        if e is not None:
+            error = e if error is None else error + e
     # ... and the additions over the parts.
     return None if error is None else error * (1.0 + 2.0 * (len(parts) + 8) * U64)
+
+
+def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device,
+                unit: float) -> Tensor | None:
+    """One part's ``E_i`` (see :func:`write_error`), or None when it is 0."""
+    reduced = 0.0
+    if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
+        reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
+    if isinstance(part, Outer):
+        r = torch.zeros(batch, dtype=torch.float64, device=device)
+        terms, width = 0, 0
+        for m, n in part.pieces:
+            m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+            r += (torch.linalg.vector_norm(m3, dim=-1, dtype=torch.float64)
+                  * torch.linalg.vector_norm(n3, dim=-1, dtype=torch.float64)).sum(dim=1)
+            terms, width = terms + m3.shape[1], max(width, m3.shape[-1] + n3.shape[-1])
+        rounds = (terms + 1) * unit + reduced
+    elif isinstance(part, Dense) and reduced > 0.0:
+        u = part.u.reshape(part.u.shape[0], -1)
+        r = torch.linalg.vector_norm(u, dim=-1, dtype=torch.float64)
+        terms, width, rounds = 1, u.shape[-1], reduced
+    else:
+        return None
+    if rounds >= 0.5:
+        raise ValueError(f"a layer's clipped sum adds {terms} terms per entry: too many for the rounding "
+                         f"of {dtype} to be bounded; use float64 parameters")
+    # R's own float64 roundings (norms over the widths, products, the sum over the steps), rounded up.
+    return (rounds / (1.0 - rounds)) * (1.0 + 2.0 * (width + terms + 8) * U64) * r
 
 
 def with_write_error(norms_sq: Tensor, error: Tensor | None) -> Tensor:

@@ -8,6 +8,9 @@ per-sample gradient (or same-sample gradient difference) expressed as *parts*, o
 - :class:`Rows`: ``u_i`` adds ``N_j[i, t]`` to row ``K_j[i, t]`` of a table (embeddings);
 - :class:`Dense`: ``u_i`` materialised, one ``(B, *shape)`` tensor (biases, normalisation layers, fallbacks).
 
+A parameter used by several modules gets the sum of their parts (:func:`shared`): more pieces of one part,
+or a :class:`Tied` part for a table that is also a linear map's weight (a tied embedding and output head).
+
 The clipper coalesces each sample's ``Rows`` per key (:meth:`Rows.coalesced`), computes every sample's norm
 from the parts (natively on the host, with torch on other devices: both return upper bounds that include
 their rounding error) plus a bound on the rounding of the ``Outer`` parts' sums
@@ -210,6 +213,25 @@ class Rows:
     def drop(self, bad: Tensor) -> Rows:
         return Rows([(k, zero_rows(n, bad)) for k, n in self.pieces], self.skip, self.unique)
 
+    def unskipped(self) -> Rows:
+        """The same vectors without a skip key: the rows at the skipped key set to zero."""
+        if self.skip is None:
+            return self
+        return Rows([(k, n.masked_fill((k == self.skip).unsqueeze(-1), 0)) for k, n in self.pieces],
+                    None, self.unique)
+
+    def per_sample(self, shape: torch.Size) -> Tensor:
+        """The ``(B, *shape)`` per-sample tables."""
+        part = self.unskipped()
+        n0 = part.pieces[0][1]
+        batch, rows = n0.shape[0], shape[0]
+        out = n0.new_zeros(batch * rows, *shape[1:])
+        offset = rows * torch.arange(batch, device=n0.device).unsqueeze(1)
+        for k, n in part.pieces:
+            keys = k.reshape(batch, -1) + offset
+            out.index_add_(0, keys.reshape(-1), n.reshape(-1, *shape[1:]))
+        return out.view(batch, *shape)
+
     def combine(self, other: Rows, a: Tensor | None, b: Tensor | None) -> Rows:
         """``a_i u_i - b_i u'_i``, scaled in float64 and :meth:`coalesced` to the pieces' dtype."""
         if self.skip != other.skip:
@@ -236,6 +258,67 @@ class Dense:
 
 
 Part = Union[Outer, Rows, Dense]
+
+
+@dataclass
+class Tied:
+    """A ``(V, d)`` parameter shared by a table (an embedding) and a linear map (an output head) that hold the
+    same matrix: ``u_i = r_i + h_i``, the table's rows ``r_i`` (:class:`Rows`, without a skip key) and the
+    map's ``h_i`` (:class:`Outer`, ``(q, p) = (V, d)``). Neither matrix is formed: the norm is
+    ``||r_i||^2 + ||h_i||^2 + 2 <r_i, h_i>``, the cross term from the recorded tensors
+    (:func:`~dpvr.grads.ghost.norms._cross`, which bounds its rounding), and the clipped sum adds the scaled
+    rows into the map's matmul (:func:`~dpvr.grads.ghost.norms.write_error` bounds that addition)."""
+
+    rows: Rows
+    outer: Outer
+
+    def total(self, f: Tensor, shape: torch.Size) -> Tensor:
+        out = self.outer.total(f, shape)
+        for k, n in self.rows.pieces:
+            out.index_add_(0, k.reshape(-1), scale_rows(n, f).reshape(-1, n.shape[-1]))
+        return out
+
+    def coalesced(self) -> Tied:
+        return Tied(self.rows.coalesced(), self.outer)
+
+    def drop(self, bad: Tensor) -> Tied:
+        return Tied(self.rows.drop(bad), self.outer.drop(bad))
+
+
+def per_sample(part: Part, shape: torch.Size) -> Tensor:
+    """The ``(B, *shape)`` per-sample vectors of any part."""
+    if isinstance(part, Dense):
+        return part.u.reshape(part.u.shape[0], *shape)
+    if isinstance(part, Rows):
+        return part.per_sample(shape)
+    u = part.per_sample()
+    return u.reshape(u.shape[0], *shape)
+
+
+def shared(parts: Sequence[Part], shape: torch.Size) -> Part | Tied:
+    """The part of a parameter used by several modules, whose per-sample vector is the sum of theirs.
+
+    Tables' rows join as more pieces of one :class:`Rows` part, linear maps' as more pieces of one
+    :class:`Outer` (both exact: the sum of the vectors is the vector of the joined pieces); a table and a
+    map holding one ``(V, d)`` matrix are a :class:`Tied` part. Any other combination (a materialised part
+    among them) is materialised and summed (:class:`Dense`)."""
+    tables = [p for p in parts if isinstance(p, Rows)]
+    maps = [p for p in parts if isinstance(p, Outer)]
+    if len(tables) + len(maps) == len(parts):
+        skips = {p.skip for p in tables}
+        if len(skips) > 1 or maps:  # a skip key of one module is a row like any other for the others
+            tables = [p.unskipped() for p in tables]
+        table = Rows([piece for p in tables for piece in p.pieces], tables[0].skip) if tables else None
+        linear = Outer([piece for p in maps for piece in p.pieces]) if maps else None
+        if table is None:
+            return linear
+        if linear is None:
+            return table
+        m, n = linear.pieces[0]
+        # The map's (q, p) matrix must be the table itself: its rows indexed by the keys, of the rows' width.
+        if len(shape) == 2 and (n.shape[-1], m.shape[-1], table.pieces[0][1].shape[-1]) == (*shape, shape[1]):
+            return Tied(table, linear)
+    return Dense(functools.reduce(torch.add, [per_sample(p, shape) for p in parts]))
 
 
 # ---- rules ----
