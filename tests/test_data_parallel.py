@@ -16,9 +16,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
+from dpvr import registry
+from dpvr.objectives import ChiSquare
 from dpvr.objectives.auc import AUCMargin, AUCModel
 from dpvr.optim.gradients import ClippedGradients
 from dpvr.trainer.losses import per_sample
+from dpvr.trainer.parallel import REFUSED, SUPPORTED
 from test_noise_drawn import assert_standard_normal, drawn_noise
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")]
@@ -55,7 +58,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         sums = [torch.zeros(p.numel()) for p in trainer.model.parameters()]
         engine.sum(x[rank::world], y[rank::world], 0.5, sums)
         with drawn_noise() as draws:  # every release's noise, recovered from its inputs and output
-            trainer.run()
+            infos = trainer.run()
         priced = trainer.algorithm.noise["gradient"] * 1.0 / 40  # z C / b: the std the accountant prices
         noise = np.concatenate([drawn / priced for drawn, _ in draws["gradient"]])
         stopped = _train(runtime=_runtime())  # the same run, stopped after two steps
@@ -66,7 +69,6 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         resumed.run()
         refusals = []
         for attempt in (lambda: _train(module=nn.parallel.DistributedDataParallel(_model())),
-                        lambda: _train(algorithm="double-spider"),
                         lambda: _train(runtime=_runtime(seed=5 + rank))):
             try:
                 attempt()
@@ -75,7 +77,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"params": [p.detach() for p in trainer.model.parameters()], "sums": sums,
                     "epsilon": trainer.privacy_spent().epsilon, "refusals": refusals,
                     "resumed": [p.detach() for p in resumed.model.parameters()],
-                    "resumed_epsilon": resumed.privacy_spent().epsilon, "noise": torch.as_tensor(noise)},
+                    "resumed_epsilon": resumed.privacy_spent().epsilon, "noise": torch.as_tensor(noise),
+                    "infos": infos},
                    f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -92,7 +95,7 @@ def test_two_processes_run_one_logical_run(tmp_path) -> None:
     mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2)
     ranks = [torch.load(f"{out}-{r}.pt") for r in range(2)]
     alone = _train(runtime=_runtime())
-    alone.run()
+    alone_infos = alone.run()
     # Every process holds the same model, bit for bit, and reports the one-process run's epsilon.
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
     assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == pytest.approx(alone.privacy_spent().epsilon)
@@ -110,11 +113,15 @@ def test_two_processes_run_one_logical_run(tmp_path) -> None:
     # The noise is drawn once per release (the same draw on both ranks), at the std its accountant prices.
     assert torch.equal(ranks[0]["noise"], ranks[1]["noise"])
     assert_standard_normal("gradient", ranks[0]["noise"].numpy())
+    # Each step reports the whole batch's size and mean loss (the first one at the one-process run's point).
+    for r in ranks:
+        assert [info["batch"] for info in r["infos"]] == [info["batch"] for info in alone_infos]
+        torch.testing.assert_close(r["infos"][0]["loss"], alone_infos[0]["loss"], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a["loss"], b["loss"]) for a, b in zip(ranks[0]["infos"], ranks[1]["infos"]))
     messages = ranks[0]["refusals"]
-    assert len(messages) == 3
+    assert len(messages) == 2
     assert "DistributedDataParallel" in messages[0] and "ddp_model.module" in messages[0]
-    assert "'double-spider' releases clipped sums of per-record scalars" in messages[1]
-    assert "the same sampler_seed and noise generator on every process" in messages[2]
+    assert "the same sampler_seed and noise generator on every process" in messages[1]
 
 
 # ---- every supported algorithm of the front door: DIFF2's rounds, the minimax y-releases -----------------
@@ -124,6 +131,7 @@ def _auc() -> nn.Module:
 
 
 _CROSS = (_model, nn.CrossEntropyLoss())
+_SPIDER = {"steps": 4, "restart": 2, "batch_sizes": (40, 20, 40, 20), "lr": 0.1}
 _MINIMAX = (_auc, AUCMargin(0.5))
 _DIFF2 = {"algorithm": "diff2", "steps": 4, "restart": 2, "lr": 0.5,
           "clip": {"restart": 1.0, "difference": 1.0}}
@@ -139,6 +147,14 @@ CASES = {
                                 "clip": {"checkpoint": 1.0, "difference": (1.0, 0.0), "y": 1.0}}),
     "last-iterate": (_CROSS, {"algorithm": "last-iterate", "batch_size": 40, "epochs": 1, "lr": 0.1,
                               "clip": 1.0, "weak_convexity": 1.0, "smoothness": 1.0}),
+    "double-spider": (_CROSS, {**_SPIDER, "algorithm": "double-spider", "divergence": ChiSquare(), "lam": 1.0,
+                               "lr_eta": 0.1, "max_move": 1.0,
+                               "clip": {"eta-refresh": 1.0, "eta-difference": (1.0, 1.0), "x-refresh": 1.0,
+                                        "x-difference": (1.0, 1.0)}}),
+    "recursive-spider": (_CROSS, {**_SPIDER, "algorithm": "recursive-spider", "rho": 0.5, "lam0": 0.1,
+                                  "lr_lam": 0.05, "beta": 0.5, "loss_bound": 10.0,
+                                  "clip": dict.fromkeys(("v-refresh", "v-difference", "u-refresh",
+                                                         "u-difference", "s"), 1.0)}),
 }
 
 
@@ -232,6 +248,13 @@ class _Checked:
         return self._check("rows", out, lambda: self.reduced.rows(values, clip, out),
                            lambda want, v: self.reference.rows(v, clip, want), values)
 
+    def clamped_diff_sum(self, now, before, low, high, out, weight=1.0) -> int:
+        return self._check(
+            "clamped_diff_sum", out,
+            lambda: self.reduced.clamped_diff_sum(now, before, low, high, out, weight=weight),
+            lambda want, a, b: self.reference.clamped_diff_sum(a, b, low, high, want, weight=weight),
+            now, before)
+
 
 def _run_case(name: str) -> dict:
     trainer = _case(name)
@@ -250,7 +273,6 @@ def _refusals() -> list[str]:
     """What a process group refuses, each at make_private, before anything runs."""
     two = [_data(), _data()]
     attempts = (
-        lambda: _case("diff2", algorithm="recursive-spider"),
         lambda: _case("diff2", data=two),  # two clients, each keeping its own recording
         lambda: _case("private-diff", y_release="output", lr_y=None, clip={"checkpoint": 1.0,
                                                                           "difference": (1.0, 0.0)}),
@@ -263,6 +285,14 @@ def _refusals() -> list[str]:
         except ValueError as err:
             refusals.append(str(err))
     return refusals
+
+
+def _clamped_values() -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-record values at two points, some outside [0, 0.5], record 3's not finite."""
+    g = torch.Generator().manual_seed(3)
+    now, before = torch.rand(9, generator=g), torch.rand(9, generator=g) - 0.2
+    now[3] = float("nan")
+    return now, before
 
 
 def _every_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -282,8 +312,16 @@ def _every_rank(rank: int, world: int, port: int, out: str) -> None:
                     for i, q in enumerate(point)]
         differences = [torch.zeros(p.numel()) for p in point]
         dropped = engine.diff_sum(x[rank::world], y[rank::world], point, previous, 0.5, differences)
+        # Recursive-SPIDER's clamped differences (its s term), all-reduced: a NaN record on rank 1, and a draw
+        # of one record, which only rank 0 holds.
+        now, before = _clamped_values()
+        term = [torch.zeros(1)]
+        clamped_dropped = engine.clamped_diff_sum(now[rank::world], before[rank::world], 0.0, 0.5, term,
+                                                  weight=0.25)
+        one = [torch.zeros(1)]
+        engine.clamped_diff_sum(now[:1][rank::world], before[:1][rank::world], 0.0, 0.5, one, weight=0.25)
         torch.save({"runs": runs, "differences": differences, "previous": previous, "dropped": dropped,
-                    "refusals": _refusals()}, f"{out}-{rank}.pt")
+                    "clamped": (term, clamped_dropped, one), "refusals": _refusals()}, f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -347,10 +385,46 @@ def test_diff2_rounds_are_the_whole_batchs(every_algorithm) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_spider_streams_are_the_whole_batchs(every_algorithm) -> None:
+    ranks, alone = every_algorithm
+    # Every stream of both SPIDERs was released, each from an all-reduced sum: the scalar streams (eta, u)
+    # through rows, the vector streams through sum and diff_sum, Recursive-SPIDER's s through
+    # clamped_diff_sum.
+    streams = {"double-spider": {"eta-refresh", "eta-difference", "x-refresh", "x-difference"},
+               "recursive-spider": {"v-refresh", "v-difference", "u-refresh", "u-difference", "s"}}
+    methods = {"double-spider": {"sum", "diff_sum", "rows"},
+               "recursive-spider": {"sum", "diff_sum", "rows", "clamped_diff_sum"}}
+    for name in streams:
+        assert {r[0] for r in alone[name]["releases"]} == streams[name]
+        assert {method for method, _, _ in ranks[0]["runs"][name]["sums"]} == methods[name]
+    # s draws one record, which one process holds: its term, all-reduced, is the one-process term bit for
+    # bit (the others add exactly zero); the first one is at the one-process run's point.
+    first = [next(r for r in run["releases"] if r[0] == "s") for run in
+             (ranks[0]["runs"]["recursive-spider"], ranks[1]["runs"]["recursive-spider"],
+              alone["recursive-spider"])]
+    assert torch.equal(first[0][1], first[2][1]) and torch.equal(first[1][1], first[2][1])
+    assert all(deviation == 0 for method, deviation, _ in ranks[0]["runs"]["recursive-spider"]["sums"]
+               if method == "clamped_diff_sum")
+    # The engine's clamped differences, all-reduced: the whole batch's sum and non-finite count.
+    now, before = _clamped_values()
+    reference = ClippedGradients(_model(), per_sample(nn.CrossEntropyLoss()))
+    want, one = [torch.zeros(1)], [torch.zeros(1)]
+    dropped = reference.clamped_diff_sum(now, before, 0.0, 0.5, want, weight=0.25)
+    reference.clamped_diff_sum(now[:1], before[:1], 0.0, 0.5, one, weight=0.25)
+    assert dropped == 1
+    for r in ranks:
+        term, count, single = r["clamped"]
+        assert count == dropped
+        torch.testing.assert_close(term[0], want[0], rtol=1e-6, atol=1e-7)
+        assert torch.equal(single[0], one[0])
+        assert torch.equal(term[0], ranks[0]["clamped"][0][0])
+
+
 def test_what_is_not_all_reduced_is_refused(every_algorithm) -> None:
     messages = every_algorithm[0][0]["refusals"]
-    assert len(messages) == 4, messages
-    assert "'recursive-spider' releases clipped sums of per-record scalars" in messages[0]
-    assert "clients [1] keep engines of their own" in messages[1] and "reuse_recording=False" in messages[1]
-    assert "y_release: 'output' is not data-parallel" in messages[2]
-    assert "clipping: False asserts" in messages[3]
+    assert len(messages) == 3, messages
+    assert "clients [1] keep engines of their own" in messages[0] and "reuse_recording=False" in messages[0]
+    assert "y_release: 'output' is not data-parallel" in messages[1]
+    assert "clipping: False asserts" in messages[2]
+    # Every front-door algorithm is data-parallel: none is refused by name.
+    assert set(SUPPORTED) == set(registry.front_door()) and not REFUSED

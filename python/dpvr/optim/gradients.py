@@ -205,12 +205,29 @@ class ClippedGradients:
 
     def rows(self, values: torch.Tensor, clip: float, out: Sequence[torch.Tensor]) -> int:
         """``out += sum_i clip_C(values_i)`` for per-record vectors computed outside the model's gradients (a
-        minimax problem's y-gradients: one row per record), under the same ``nonfinite`` policy; returns the
-        number of non-finite rows. A sum over the batch like the others, so an engine that all-reduces its
-        sums across processes makes it the whole batch's."""
+        minimax problem's y-gradients, the SPIDERs' per-record scalars and same-record scalar differences:
+        one row per record), under the same ``nonfinite`` policy; returns the number of non-finite rows. A
+        sum over the batch like the others, so an engine that all-reduces its sums across processes makes
+        it the whole batch's."""
         if len(values) == 0:
             return 0
         return int(ops.clip_accumulate([values], clip, list(out), nonfinite=self.nonfinite))
+
+    def clamped_diff_sum(self, now: torch.Tensor, before: torch.Tensor, low: float, high: float,
+                         out: Sequence[torch.Tensor], weight: float = 1.0) -> int:
+        """``out[0] += sum_i clamp(now_i) - weight clamp(before_i)``, each per-record scalar clamped into
+        ``[low, high]`` (Recursive-SPIDER's STORM term: one record's inner value at two points), so each
+        record's term lies in ``[low - weight high, high - weight low]``. A record with a non-finite value at
+        either point follows the ``nonfinite`` policy (under ``"zero"`` it contributes nothing); returns
+        their number. A sum over the records given, so an engine that all-reduces it makes it the whole
+        batch's: a process holding none of them adds exactly zero."""
+        if len(now) == 0:
+            return 0
+        pair, count = finite_records(torch.stack([now, before], dim=1), self.nonfinite,
+                                     "a clamped difference of per-record values")
+        clamped_now, clamped_before = pair.clamp(low, high).unbind(1)
+        out[0].add_((clamped_now - weight * clamped_before).sum())
+        return count
 
     def _micro_batches(self, *rows: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, ...]]:
         """``rows`` (per-record tensors, or None) a micro-batch at a time: ``chunk_size`` records, so that the

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from .. import ops
 from ..privacy import events
 from ..problems import (
     Divergence,
@@ -36,7 +35,7 @@ from ..problems import (
 from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, release
-from .gradients import ClippedGradients, check_loss, finite_records
+from .gradients import ClippedGradients, check_loss
 from .records import Batch, Records, as_records
 from .sampling import BatchSampler
 
@@ -112,12 +111,12 @@ class _Spider(PrivateAlgorithm):
         )
 
     def _scalar_sum(self, values: Tensor, radius: float, out: Tensor) -> int:
-        """``out = sum_i clip_radius(values_i)`` for per-sample scalars."""
+        """``out = sum_i clip_radius(values_i)`` for per-sample scalars (or same-sample differences of them),
+        through the engine like every other sum of a release (so a data-parallel engine all-reduces it)."""
         out.zero_()
         if radius == 0:
             return 0
-        return int(ops.clip_accumulate([values.reshape(-1, 1).to(out.dtype)], radius, [out],
-                                       nonfinite=self.nonfinite))
+        return self.gradients.rows(values.reshape(-1, 1).to(out.dtype), radius, [out])
 
     def _clipped(self, stream: str, total: Sequence[Tensor], radius: float) -> ClippedSum:
         """``total``, a sum over ``stream``'s batch of terms clipped into a ball of ``radius``."""
@@ -509,12 +508,14 @@ class RecursiveSpider(_Spider):
         # 3. s: the STORM estimate of g on one record at w_t and w_{t-1}
         with self.releasing("s"):
             record = self._draw("s")
-            pair = torch.stack([inner_values(self._losses(x, record), lam, bound),
-                                inner_values(self._losses(x_prev, record), lam_prev, bound)], dim=1)
-            pair, count = finite_records(pair, self.nonfinite, "Recursive-SPIDER's s stream")
-            dropped += count
-            now, before = pair.clamp(0.0, self.clip["s"]).sum(dim=0)
-            self._s_term.copy_(now - (1 - self.beta) * before)
+            # Through the engine: in a data-parallel run the process holding the record forms its term, the
+            # others (holding none) add exactly zero, and the all-reduce gives every process the term.
+            self._s_term.zero_()
+            dropped += self.gradients.clamped_diff_sum(
+                inner_values(self._losses(x, record), lam, bound),
+                inner_values(self._losses(x_prev, record), lam_prev, bound),
+                0.0, self.clip["s"], [self._s_term], weight=1 - self.beta,
+            )  # fmt: skip
             self.s.mul_(1 - self.beta)
             # now in [0, C], (1 - beta) before in [0, (1 - beta) C]: the term's range is (2 - beta) C
             release(

@@ -43,6 +43,23 @@ Supported, and what each release's ``s`` is (each one a sum through the clipped-
   difference rounds through ``diff_sum``, its radius from released iterates); each y-release's ``s`` is the
   batch's clipped sum of per-record y-gradients (:meth:`~dpvr.optim.gradients.ClippedGradients.rows`),
   all-reduced likewise; ``y`` and its projection are then computed from released values.
+- ``double-spider``: every stream has its own sampler, seeded from the shared seed, so every process draws
+  the same batches; each per-record weight or scalar is formed by the process that holds the record, at
+  released iterates (``x``, ``eta``). The eta-refresh ``s`` is the batch's clipped sum of per-record scalars
+  ``1 - (psi*)'(a_i)`` and the eta-difference ``s`` its clipped sum of same-record scalar differences
+  (both through :meth:`~dpvr.optim.gradients.ClippedGradients.rows`: one row per record, so the difference
+  is each record's own, formed before its clip); the x-refresh and x-difference ``s`` are the batch's
+  clipped sums of weighted per-sample gradients and of weighted same-sample differences (``sum``,
+  ``diff_sum``). Every radius is a function of released iterates; every divisor is the stream's public
+  batch size.
+- ``recursive-spider``: the v streams as Double-SPIDER's x streams, the u streams as its eta streams
+  (``rows``). The ``s`` stream draws one record: its term ``clamp(g(w_t; z)) - (1 - beta)
+  clamp(g(w_{t-1}; z))`` is formed by :meth:`~dpvr.optim.gradients.ClippedGradients.clamped_diff_sum` on
+  the one process whose share holds the record (the first of every draw's indices is rank 0's); the others
+  hold no record and add exactly zero, so the all-reduce gives every process that term, bit for bit the
+  one-process term at the same point (``t + 0 = t`` in floating point), and the whole batch's non-finite
+  count. Its range, hence its sensitivity ``(2 - beta) C5``, is the one-process one. (A Poisson draw of
+  any other number of records is a sum of such terms, each formed where its record is, as above.)
 
 Refused under a process group, each because a release's data-dependent part is not such a sum:
 
@@ -51,9 +68,6 @@ Refused under a process group, each because a release's data-dependent part is n
   its rounding allowance (:class:`~dpvr.optim.minimax.YRounding`) assumes one pairwise-summation tree over
   the ``n`` records in one process. Solved per process it would release P different values under the same
   noise; solved on every process from gathered outputs it would rely on bitwise-identical float solves.
-- ``double-spider``, ``recursive-spider``: the eta- and u-streams are clipped sums of per-record scalars
-  formed with the clip kernels directly, outside the engine, and Recursive-SPIDER's ``s`` stream is a clamped
-  one-record STORM term: this split would release one process's share of them.
 - ``last-iterate`` with ``clipping=False``: it asserts every per-example gradient norm of the batch is at
   most ``C``, from norms each process holds only for its share.
 - a model already wrapped in ``DistributedDataParallel``: its own gradient all-reduce would run beside
@@ -81,15 +95,10 @@ from ..optim import RuntimeConfig
 from ..optim.gradients import ClippedGradients
 from ..optim.records import CHUNK, Batch, DatasetRecords, Records, TensorRecords
 
-SUPPORTED = ("dp-sgd", "dp-gd", "last-iterate", "diff2", "dp-sgda", "private-diff")
-# Why the others are refused (the module documentation says more).
-REFUSED = {
-    "double-spider": "releases clipped sums of per-record scalars (its eta stream) formed outside the "
-                     "clipped-gradient engine, which are not all-reduced here",
-    "recursive-spider": "releases clipped sums of per-record scalars (its u stream) and a one-record STORM "
-                        "term (its s stream) formed outside the clipped-gradient engine, which are not "
-                        "all-reduced here",
-}
+SUPPORTED = ("dp-sgd", "dp-gd", "last-iterate", "diff2", "dp-sgda", "private-diff", "double-spider",
+             "recursive-spider")
+# Why an algorithm is refused (the module documentation says more); every front-door one is supported.
+REFUSED: dict[str, str] = {}
 
 
 class DataParallel:
@@ -268,6 +277,11 @@ class AllReducedGradients:
 
     def rows(self, values: torch.Tensor, clip: float, out: Sequence[torch.Tensor]) -> int:
         return self._reduce(out, lambda scratch: self.engine.rows(values, clip, scratch))
+
+    def clamped_diff_sum(self, now: torch.Tensor, before: torch.Tensor, low: float, high: float,
+                         out: Sequence[torch.Tensor], weight: float = 1.0) -> int:
+        return self._reduce(out, lambda scratch: self.engine.clamped_diff_sum(now, before, low, high, scratch,
+                                                                              weight=weight))
 
     def _reduce(self, out: Sequence[torch.Tensor], local: Any) -> int:
         """``local(scratch)`` (this process's sum into zeroed ``scratch``, returning its non-finite count),

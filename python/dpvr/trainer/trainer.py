@@ -112,7 +112,7 @@ def make_private(
             default group when it has more than one process): one logical run, every process drawing the
             same batches and noise, loading and clipping its share of each batch, the clipped sums
             all-reduced (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``,
-            ``dp-sgda``, ``private-diff`` with ``y_release="ascent"``; the SPIDERs are refused).
+            ``dp-sgda``, ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
         **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
             its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
             ``epsilon``. The schedule settings left out (DIFF2's and PrivateDiff's ``restart``,
