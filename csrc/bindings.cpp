@@ -124,4 +124,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_compiled", &dpvr::cuda_compiled);
   m.def("cuda_available", &dpvr::cuda_available);
   m.def("max_threads", &dpvr::max_threads);
+  m.def("cpu_instruction_set", [] { return std::string(dpvr::cpu_instruction_set()); });
 }

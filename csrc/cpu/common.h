@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #ifdef _OPENMP
@@ -12,11 +14,22 @@
 #endif
 
 // The code of one instruction-set copy of the kernels (kernels_impl.h, ghost_impl.h) lies between
-// DPVR_ISA_BEGIN and DPVR_ISA_END. The AVX2 copy (DPVR_ISA_AVX2) is compiled for AVX2 + FMA by a target pragma
+// DPVR_ISA_BEGIN and DPVR_ISA_END. The AVX-512 copy (DPVR_ISA_AVX512, which also takes the AVX2 copy's
+// intrinsics) vectorises with 512-bit registers, twice the AVX2 copy's lanes (the noise transform is in
+// double). The AVX2 copy (DPVR_ISA_AVX2) is compiled for AVX2 + FMA by a target pragma
 // there, not by flags for its whole file: the headers included before it stay baseline, so the inline
 // functions and standard-library template instances that both copies emit (the linker keeps one of each,
 // from either file) never hold instructions that a CPU without AVX2 could reach.
-#if defined(DPVR_ISA_AVX2) && defined(__clang__)
+#if defined(DPVR_ISA_AVX512) && defined(__clang__)
+#define DPVR_ISA_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,avx512f,avx512dq,avx512vl,avx512bw\"))), apply_to = function)")
+#define DPVR_ISA_END _Pragma("clang attribute pop")
+#elif defined(DPVR_ISA_AVX512)
+#define DPVR_ISA_BEGIN \
+  _Pragma("GCC push_options") \
+  _Pragma("GCC target(\"avx2,fma,avx512f,avx512dq,avx512vl,avx512bw,prefer-vector-width=512\")")
+#define DPVR_ISA_END _Pragma("GCC pop_options")
+#elif defined(DPVR_ISA_AVX2) && defined(__clang__)
 #define DPVR_ISA_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
 #define DPVR_ISA_END _Pragma("clang attribute pop")
 #elif defined(DPVR_ISA_AVX2)
@@ -104,15 +117,42 @@ inline void clip_factor(double n, double weight, double target, double& f, doubl
   f = (n > target) ? weight * (target / n) : weight;
 }
 
-// Whether the AVX2 + FMA copies of the kernels can run on this CPU.
+// The environment's cap on the instruction set (DPVR_CPU_ISA=baseline|avx2|avx512, read once): 0, 1 or 2.
+// Benchmarks and tests compare the copies on one machine with it; unset, the CPU's best copy runs.
+inline int isa_cap() {
+  static const int cap = [] {
+    const char* v = std::getenv("DPVR_CPU_ISA");
+    if (v == nullptr) return 2;
+    const std::string s(v);
+    return s == "baseline" ? 0 : s == "avx2" ? 1 : 2;
+  }();
+  return cap;
+}
+
+// Whether the AVX2 + FMA copies of the kernels can run on this CPU (and the environment allows them).
 inline bool use_avx2() {
 #ifdef DPVR_HAVE_AVX2
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 #else
   return false;
 #endif
 }
+
+// Whether the AVX-512 copies of the kernels can run on this CPU (F, DQ, VL and BW, as Skylake-SP and later).
+inline bool use_avx512() {
+#ifdef DPVR_HAVE_AVX512
+  static const bool yes = isa_cap() >= 2 && use_avx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// The instruction set the CPU kernels run with here: "avx512", "avx2" or "baseline".
+inline const char* instruction_set() { return use_avx512() ? "avx512" : use_avx2() ? "avx2" : "baseline"; }
 
 }  // namespace cpu
 }  // namespace dpvr

@@ -13,9 +13,16 @@ void noisy_update_base(const UpdateArgs& a);
 int64_t clip_accumulate_avx2(const ClipArgs& a, bool write);
 void noisy_update_avx2(const UpdateArgs& a);
 #endif
+#ifdef DPVR_HAVE_AVX512
+int64_t clip_accumulate_avx512(const ClipArgs& a, bool write);
+void noisy_update_avx512(const UpdateArgs& a);
+#endif
 
 namespace {
 int64_t clip_pass(const ClipArgs& a, bool write) {
+#ifdef DPVR_HAVE_AVX512
+  if (use_avx512()) return clip_accumulate_avx512(a, write);
+#endif
 #ifdef DPVR_HAVE_AVX2
   if (use_avx2()) return clip_accumulate_avx2(a, write);
 #endif
@@ -36,6 +43,9 @@ int64_t clip_accumulate_cpu(const ClipArgs& args) {
 
 void noisy_update_cpu(const UpdateArgs& args) {
   validate(args);
+#ifdef DPVR_HAVE_AVX512
+  if (cpu::use_avx512()) return cpu::noisy_update_avx512(args);
+#endif
 #ifdef DPVR_HAVE_AVX2
   if (cpu::use_avx2()) return cpu::noisy_update_avx2(args);
 #endif
@@ -51,5 +61,7 @@ void philox_words_cpu(uint32_t* out, int64_t n_blocks, NoiseKey key) {
 }
 
 int max_threads() { return cpu::thread_count(); }
+
+const char* cpu_instruction_set() { return cpu::instruction_set(); }
 
 }  // namespace dpvr

@@ -13,6 +13,9 @@ void ghost_norms_base(const GhostNormArgs& a);
 #ifdef DPVR_HAVE_AVX2
 void ghost_norms_avx2(const GhostNormArgs& a);
 #endif
+#ifdef DPVR_HAVE_AVX512
+void ghost_norms_avx512(const GhostNormArgs& a);
+#endif
 }  // namespace cpu
 
 namespace {
@@ -96,6 +99,9 @@ void validate(const FactorArgs& a) {
 
 void ghost_norms_cpu(const GhostNormArgs& args) {
   validate(args);
+#ifdef DPVR_HAVE_AVX512
+  if (cpu::use_avx512()) return cpu::ghost_norms_avx512(args);
+#endif
 #ifdef DPVR_HAVE_AVX2
   if (cpu::use_avx2()) return cpu::ghost_norms_avx2(args);
 #endif

@@ -334,7 +334,8 @@ inline int64_t clip_accumulate(const ClipArgs& args, bool write) {
 
 
 // ---- Gaussian noise ----
-// Noise is generated a tile at a time: Philox blocks (the AVX2 copy evaluates four blocks per vector,
+// Noise is generated a tile at a time: Philox blocks (the AVX2 copy evaluates four blocks per vector and the
+// AVX-512 copy eight,
 // bit-identical to philox::block_at), their 53-bit uniforms (exactly philox::uniforms'), then philox::box_muller
 // in a loop the compiler vectorises; float32 noise is the float64 noise rounded.
 constexpr int64_t kNoiseTile = 4096;  // elements; even, so a Gaussian pair never straddles two tiles
@@ -347,9 +348,37 @@ struct NoiseScratch {
   double z[kNoiseTile];
 };
 
-// Philox blocks of pairs pair0 .. pair0 + n - 1, n a multiple of 4.
+// Philox blocks of pairs pair0 .. pair0 + n - 1, n a multiple of kPhiloxLanes.
+#ifdef DPVR_ISA_AVX512
+constexpr int64_t kPhiloxLanes = 8;
+#else
+constexpr int64_t kPhiloxLanes = 4;
+#endif
 inline void philox_blocks(const NoiseKey& key, uint64_t pair0, int64_t n, NoiseScratch& out) {
-#ifdef DPVR_ISA_AVX2
+#if defined(DPVR_ISA_AVX512)
+  // As the AVX2 copy below, eight blocks per vector.
+  const __m512i low = _mm512_set1_epi64(0xFFFFFFFF);
+  const __m512i m0 = _mm512_set1_epi64(0xD2511F53), m1 = _mm512_set1_epi64(0xCD9E8D57);
+  for (int64_t g = 0; g < n; g += 8) {
+    const __m512i pair = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(pair0 + g)),
+                                          _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+    __m512i c[4] = {_mm512_and_si512(pair, low), _mm512_srli_epi64(pair, 32), _mm512_set1_epi64(key.step),
+                    _mm512_set1_epi64(key.stream)};
+    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      const __m512i p0 = _mm512_mul_epu32(c[0], m0), p1 = _mm512_mul_epu32(c[2], m1);
+      c[0] = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(p1, 32), c[1]), _mm512_set1_epi64(k0));
+      c[1] = _mm512_and_si512(p1, low);
+      c[2] = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(p0, 32), c[3]), _mm512_set1_epi64(k1));
+      c[3] = _mm512_and_si512(p0, low);
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    // The low halves of the eight 64-bit lanes, in order, as eight 32-bit words.
+    for (int k = 0; k < 4; ++k)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&out.w[k][g]), _mm512_cvtepi64_epi32(c[k]));
+  }
+#elif defined(DPVR_ISA_AVX2)
   // Each 32-bit word in a 64-bit lane, so that _mm256_mul_epu32 gives the full 32 x 32 -> 64 products.
   const __m256i low = _mm256_set1_epi64x(0xFFFFFFFF);
   const __m256i m0 = _mm256_set1_epi64x(0xD2511F53), m1 = _mm256_set1_epi64x(0xCD9E8D57);
@@ -395,10 +424,11 @@ inline void uniforms(NoiseScratch& b, int64_t n) {
   }
 }
 
-// The Gaussians of `pairs` (<= kTilePairs) pairs from pair0 into b.z[0 .. 2 * pairs) (and up to six more values:
-// whole groups of four pairs are generated).
+// The Gaussians of `pairs` (<= kTilePairs) pairs from pair0 into b.z[0 .. 2 * pairs) (and up to 14 more values:
+// whole groups of kPhiloxLanes pairs are generated).
 inline void gaussians(const NoiseKey& key, uint64_t pair0, int64_t pairs, NoiseScratch& b) {
-  const int64_t n = (pairs + 3) / 4 * 4;
+  static_assert(kTilePairs % kPhiloxLanes == 0, "a tile holds whole groups of Philox lanes");
+  const int64_t n = (pairs + kPhiloxLanes - 1) / kPhiloxLanes * kPhiloxLanes;
   philox_blocks(key, pair0, n, b);
   uniforms(b, n);
 #pragma omp simd

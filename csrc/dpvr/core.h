@@ -97,6 +97,8 @@ void noisy_update_cpu(const UpdateArgs& args);
 // (pair index, step, stream) as used by the Gaussian generator.
 void philox_words_cpu(uint32_t* out, int64_t n_blocks, NoiseKey key);
 int max_threads();
+// The instruction set the CPU kernels run with: "avx512", "avx2" or "baseline".
+const char* cpu_instruction_set();
 
 // ---- CUDA backend (DPVR_WITH_CUDA) ----
 // All work is enqueued on `stream` (a cudaStream_t); nothing synchronises the host.

@@ -103,5 +103,8 @@ def cuda_compiled() -> bool:
 def cuda_available() -> bool:
     """Whether the CUDA backend can run now (a driver and a device)."""
 
+def cpu_instruction_set() -> str:
+    """The instruction set the CPU kernels run with here: ``"avx512"``, ``"avx2"`` or ``"baseline"``."""
+
 def max_threads() -> int:
     """The number of threads the CPU kernels use."""

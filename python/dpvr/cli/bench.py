@@ -58,6 +58,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..bench import host
     from ..results import document, format_table, write_json
 
     if args.repeats < 1:
@@ -108,9 +109,11 @@ def run(args: argparse.Namespace) -> int:
         headers = ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"]
         metrics = ["ms", "gbps", "roofline_fraction", "speedup_vs_torch_eager", "speedup_vs_opacus"]
     rows = [[r.dataset, r.method, *(r.metrics.get(m) for m in metrics)] for r in records]
+    print(host.line())
     print(format_table(headers, rows))
     if args.json:
-        write_json(args.json, document(f"bench-{args.what}", vars(args) | {"run": None}, records))
+        settings = vars(args) | {"run": None, "host": host.describe()}
+        write_json(args.json, document(f"bench-{args.what}", settings, records))
     return 0
 
 
