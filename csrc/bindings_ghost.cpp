@@ -42,7 +42,8 @@ void bind_ghost(py::module_& m) {
   m.def(
       "ghost_norms",
       [](int device, int dtype, int64_t batch, const std::vector<OuterDesc>& outer,
-         const std::vector<IndexDesc>& index, const std::vector<MatrixDesc>& dense, uintptr_t norms_sq) {
+         const std::vector<IndexDesc>& index, const std::vector<MatrixDesc>& dense, uintptr_t norms_sq,
+         uintptr_t outer_bounds) {
         host_only(device);
         dpvr::GhostNormArgs a;
         a.dtype = dtype_of(dtype);
@@ -61,6 +62,7 @@ void bind_ghost(py::module_& m) {
         }
         for (const auto& [p, r, c, rs, cs] : dense) a.dense.push_back({reinterpret_cast<void*>(p), r, c, rs, cs});
         a.norms_sq = reinterpret_cast<double*>(norms_sq);
+        a.outer_bounds = reinterpret_cast<double*>(outer_bounds);
         dpvr::ghost_norms_cpu(a);
       },
       py::call_guard<py::gil_scoped_release>());

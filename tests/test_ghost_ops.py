@@ -63,6 +63,26 @@ def test_outer_terms_match_reference(rng, dtype, form, steps, p, q, n_pieces):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("form", ["gram", "direct"])
+def test_outer_bounds_are_each_terms_sum_of_norm_products(rng, dtype, form):
+    """R_i = sum over a term's pieces and steps of ||m|| ||n||, in double, for each outer term: what the
+    clipped sums' rounding bound reads (grads.ghost.norms.write_error), off the same pass as the norms."""
+    batch = 6
+    terms = [[(rng.normal(size=(batch, 5, 4)).astype(dtype), rng.normal(size=(batch, 5, 3)).astype(dtype)),
+              (rng.normal(size=(batch, 2, 4)).astype(dtype), rng.normal(size=(batch, 2, 3)).astype(dtype))],
+             [(rng.normal(size=(batch, 7)).astype(dtype), rng.normal(size=(batch, 2)).astype(dtype))]]
+    out, bounds = np.zeros(batch), np.zeros((2, batch))
+    ops.ghost_norms(out, outer=terms, form=form, outer_bounds=bounds)
+    for k, term in enumerate(terms):
+        norms = [np.linalg.norm(m.astype(np.float64), axis=-1) * np.linalg.norm(n.astype(np.float64), axis=-1)
+                 for m, n in term]
+        expected = sum(r.reshape(batch, -1).sum(axis=1) for r in norms)
+        np.testing.assert_allclose(bounds[k], expected, rtol=1e-13)
+    with pytest.raises(ValueError, match="outer_bounds"):
+        ops.ghost_norms(out, outer=terms, outer_bounds=np.zeros((1, batch)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_index_terms_match_reference(rng, dtype):
     batch, steps, rows, width = 9, 12, 5, 4
     keys = [rng.integers(0, rows, size=(batch, steps)), rng.integers(0, rows, size=(batch, 3))]

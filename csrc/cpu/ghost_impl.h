@@ -54,6 +54,7 @@ inline Row<T> row_of(const Sequence& q, int64_t i, int64_t t) {
 // The squared norm of one term of one sample, its bound R^2 and its rounding chain.
 struct TermNorm {
   double sumsq = 0.0;
+  double r = 0.0;  // outer terms: sum of ||m|| ||n|| over the pieces' steps
   double r2 = 0.0;
   double chain = 0.0;
 };
@@ -123,6 +124,7 @@ TermNorm outer_norm(const OuterTerm& term, bool gram, int64_t i, Scratch<T>& scr
     out.sumsq = dot(acc, 1, acc, 1, inner * outer);
     out.chain = 2.0 * n_rows + static_cast<double>(p * q);
   }
+  out.r = r;
   out.r2 = r * r;
   return out;
 }
@@ -192,7 +194,11 @@ void ghost_norms_impl(const GhostNormArgs& args) {
         magnitude += std::fabs(t.sumsq);
         bound += 2.0 * (t.chain + 8.0) * u * t.r2;
       };
-      for (size_t k = 0; k < args.outer.size(); ++k) add(outer_norm<T>(args.outer[k], gram[k] != 0, i, scratch));
+      for (size_t k = 0; k < args.outer.size(); ++k) {
+        const TermNorm t = outer_norm<T>(args.outer[k], gram[k] != 0, i, scratch);
+        add(t);
+        if (args.outer_bounds != nullptr) args.outer_bounds[static_cast<int64_t>(k) * args.batch + i] = t.r;
+      }
       for (const IndexTerm& term : args.index) add(index_norm<T>(term, i, scratch));
       for (const Matrix& d : args.dense) add(dense_norm<T>(d, i));
       // Summing the terms adds at most (terms + 4) u of their magnitudes; the final (1 + 8u) covers this line.

@@ -66,6 +66,9 @@ struct GhostNormArgs {
   std::vector<IndexTerm> index;
   std::vector<Matrix> dense;
   double* norms_sq = nullptr;  // out, length batch: upper bound on ||u_i||^2 (NaN/Inf when data is not finite)
+  // out, optional, outer.size() x batch: R of each outer term of each sample, sum over its pieces and steps of
+  // ||m|| ||n|| in double (the magnitude that bounds the rounding of the term's matmul)
+  double* outer_bounds = nullptr;
 };
 
 // Clip factors from per-sample squared norms, with the rule of clip_accumulate (same margin for `columns`

@@ -77,10 +77,12 @@ def ghost_norms(
     index: Sequence[_IndexDesc],
     dense: Sequence[_MatrixDesc],
     norms_sq: int,
+    outer_bounds: int,
     /,
 ) -> None:
     """Writes an upper bound on each sample's squared gradient norm to the float64 ``norms_sq``, without
-    forming the per-sample gradients."""
+    forming the per-sample gradients; with ``outer_bounds`` (0: none), each outer term's ``R`` of each sample
+    (the sum over its pieces' steps of ``||m|| ||n||``) to that float64 ``(len(outer), batch)`` buffer."""
 
 def clip_factors(
     device: int,

@@ -76,6 +76,7 @@ def ghost_norms(
     index: Sequence[IndexTerm] = (),
     dense: Sequence[Array] = (),
     form: str = "auto",
+    outer_bounds: Array | None = None,
 ) -> None:
     """Writes into ``norms_sq`` (float64, ``(B,)``) an upper bound on ``||u_i||^2``, where sample i's vector
     ``u_i`` is the concatenation of these terms (each a layer's per-sample gradient or gradient difference):
@@ -94,6 +95,11 @@ def ghost_norms(
     The value is the squared norm computed in double plus an explicit bound on its rounding error, so it is
     never below the exact squared norm of the given data: clipping with it bounds every sample's exact
     contribution. It is NaN for a sample whose data is not finite.
+
+    ``outer_bounds`` (float64, ``(len(outer), B)``), when given, receives each outer term's
+    ``R_i = sum_j sum_t ||activations_j[i,t]|| ||grads_j[i,t]||`` computed in double (no bound added:
+    the magnitude that bounds the rounding of the term's clipped-sum matmul, which the caller bounds), read
+    off the same pass.
     """
     if form not in NORM_FORMS:
         raise ValueError(f"form: must be one of {sorted(NORM_FORMS)}, got {form!r}")
@@ -123,8 +129,18 @@ def ghost_norms(
     dense_desc = [call.matrix(d, f"dense[{k}]") for k, d in enumerate(dense)]
     if call.device is not None and call.device != out.device:
         raise ValueError(f"norms_sq: on the host, the other arrays are on {_device_name(call.device)}")
+    bounds = 0
+    if outer_bounds is not None:
+        held = view(outer_bounds, "outer_bounds")
+        if held.dtype != "float64" or held.device != -1:
+            raise TypeError("outer_bounds: must be a float64 host array")
+        if tuple(held.shape) != (len(outer_desc), batch) or not held.is_contiguous() or not held.writable:
+            raise ValueError(f"outer_bounds: expected a writable contiguous ({len(outer_desc)}, {batch}) "
+                             f"array, got shape {tuple(held.shape)}")
+        call.keep.append(held)
+        bounds = held.address
     _C.ghost_norms(out.device, 1 if call.dtype == "float64" else 0, batch, outer_desc, index_desc, dense_desc,
-                   out.address)
+                   out.address, bounds)
 
 
 def clip_factors(

@@ -645,14 +645,19 @@ class GhostClipper:
         """
         dtype = self._dtype
         parts = [(k, p.coalesced() if isinstance(p, (Rows, Tied)) else p) for k, p in parts]
-        error = torch_norms.write_error(parts, batch, dtype, self._device)
         if self.backend == "native":
             # The kernels measure a tied part's two parts apart; its cross term is added in torch.
             apart = [q for _, p in parts for q in ((p.rows, p.outer) if isinstance(p, Tied) else (p,))]
+            outers = [p for p in apart if isinstance(p, Outer)]
             norms_sq = torch.empty(batch, dtype=torch.float64)
-            ops.ghost_norms(norms_sq, outer=[p.pieces for p in apart if isinstance(p, Outer)], index=[],
+            # The same pass gives each Outer part's R_i, which write_error would otherwise measure again.
+            bounds = torch.empty(len(outers), batch, dtype=torch.float64)
+            ops.ghost_norms(norms_sq, outer=[p.pieces for p in outers], index=[],
                             dense=[p.u if isinstance(p, Dense) else p.flat() for p in apart
-                                   if isinstance(p, (Dense, Rows))], form=self.norm_form)
+                                   if isinstance(p, (Dense, Rows))], form=self.norm_form,
+                            outer_bounds=bounds if outers else None)
+            error = torch_norms.write_error(parts, batch, dtype, self._device,
+                                            known={id(p): bounds[j] for j, p in enumerate(outers)})
             norms_sq = torch_norms.with_cross_terms(norms_sq, [p for _, p in parts])
             factors = torch.empty(batch, dtype=dtype)
             norms = torch.empty(batch, dtype=dtype)
@@ -660,6 +665,7 @@ class GhostClipper:
                                      columns=self._dim, weights=weights, norms=norms,
                                      nonfinite=self.nonfinite)
         else:
+            error = torch_norms.write_error(parts, batch, dtype, self._device)
             norms_sq = torch_norms.ghost_norms([p for _, p in parts], batch, self._device, self.norm_form)
             factors, norms = torch_norms.clip_factors(torch_norms.with_write_error(norms_sq, error), clip,
                                                       dtype, columns=self._dim, weights=weights,

@@ -11,7 +11,7 @@ tree exceeds), and ``u = 2^-53``; the sum over parts adds its own bound, as in t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -206,11 +206,12 @@ def reduced_precision_unit(conv: bool, device: torch.device) -> float:
 
 
 def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: torch.dtype,
-                device: torch.device) -> Tensor | None:
+                device: torch.device, known: Mapping[int, Tensor] | None = None) -> Tensor | None:
     """Float64 ``(B,)`` bounds ``E_i`` on the rounding of what the clipped sums write for one sample, beyond
     one rounding per entry: ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``, where ``w_i`` is what
     :meth:`Outer.total`, :meth:`Rows.total`, :meth:`Dense.total` and :meth:`Tied.total` write for sample i
     alone with the factor ``f_i`` (in ``dtype``, unit roundoff ``u``). None when every ``E_i`` is 0.
+    ``known`` maps ``id(part)`` of Outer parts to their ``R_i`` already computed by the native ghost norms.
 
     A coalesced :class:`Rows` part and a :class:`Dense` part write ``fl(f_i r)`` per entry ``r``: one
     rounding, no ``E``. An :class:`Outer` part writes ``sum_t (f_i n_t) m_t^T`` over its ``K`` steps (of all
@@ -232,17 +233,18 @@ def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: tor
     the table's and the map's terms cancel.
     """
     unit = 2.0 ** -24 if dtype == torch.float32 else U64
+    known = known or {}
     error: Tensor | None = None
     for _, part in parts:
         if isinstance(part, Tied):
-            e = _part_error(part.outer, batch, dtype, device, unit)
+            e = _part_error(part.outer, batch, dtype, device, unit, known.get(id(part.outer)))
             rows = part.rows.flat()
             r = (torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64)
                  * (1.0 + 2.0 * (rows.shape[-1] + 8) * U64))  # rounded up
             e = unit * r if e is None else e + unit * r
             e = e * (1.0 + unit + 16.0 * U64)  # (1 + u), and this line's float64 roundings
         else:
-            e = _part_error(part, batch, dtype, device, unit)
+            e = _part_error(part, batch, dtype, device, unit, known.get(id(part)))
         if e is not None:
             error = e if error is None else error + e
     # ... and the additions over the parts.
@@ -250,18 +252,21 @@ def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: tor
 
 
 def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device,
-                unit: float) -> Tensor | None:
-    """One part's ``E_i`` (see :func:`write_error`), or None when it is 0."""
+                unit: float, known: Tensor | None = None) -> Tensor | None:
+    """One part's ``E_i`` (see :func:`write_error`), or None when it is 0. ``known``: an Outer part's
+    ``R_i`` as :func:`dpvr.ops.ghost_norms` computed it (``outer_bounds``) from the same pieces: the same
+    float64 products of norms summed over the same steps, so the same bound on its own rounding holds."""
     reduced = 0.0
     if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
         reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
     if isinstance(part, Outer):
-        r = torch.zeros(batch, dtype=torch.float64, device=device)
+        r = torch.zeros(batch, dtype=torch.float64, device=device) if known is None else known
         terms, width = 0, 0
         for m, n in part.pieces:
             m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
-            r += (torch.linalg.vector_norm(m3, dim=-1, dtype=torch.float64)
-                  * torch.linalg.vector_norm(n3, dim=-1, dtype=torch.float64)).sum(dim=1)
+            if known is None:
+                r += (torch.linalg.vector_norm(m3, dim=-1, dtype=torch.float64)
+                      * torch.linalg.vector_norm(n3, dim=-1, dtype=torch.float64)).sum(dim=1)
             terms, width = terms + m3.shape[1], max(width, m3.shape[-1] + n3.shape[-1])
         rounds = (terms + 1) * unit + reduced
     elif isinstance(part, Dense) and reduced > 0.0:
