@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #ifdef DPVR_ISA_AVX2
@@ -435,6 +436,19 @@ inline void gaussians(const NoiseKey& key, uint64_t pair0, int64_t pairs, NoiseS
   for (int64_t p = 0; p < n; ++p) philox::box_muller(b.u1[p], b.u2[p], b.z[2 * p], b.z[2 * p + 1]);
 }
 
+constexpr int kUpdateLanes = 16;  // partial sums of the squared step per thread
+
+// f(flag...) with each runtime bool as a compile-time std::bool_constant.
+template <typename F>
+inline void dispatch(F&& f) { f(); }
+template <typename F, typename... Rest>
+inline void dispatch(F&& f, bool flag, Rest... rest) {
+  if (flag)
+    dispatch([&](auto... c) { f(std::true_type{}, c...); }, rest...);
+  else
+    dispatch([&](auto... c) { f(std::false_type{}, c...); }, rest...);
+}
+
 template <typename T>
 void update(const UpdateArgs& a) {
   const int K = static_cast<int>(a.v.size());
@@ -450,7 +464,7 @@ void update(const UpdateArgs& a) {
   {
     const int t = thread_id(), team = team_size();
     const std::unique_ptr<NoiseScratch> scratch(noise ? new NoiseScratch : nullptr);
-    double sq = 0.0;
+    double sq = 0.0, lanes[kUpdateLanes] = {};
     for (int64_t tile = tiles * t / team; tile < tiles * (t + 1) / team; ++tile) {
       const int64_t lo = tile * kNoiseTile, hi = std::min(D, lo + kNoiseTile);
       if (noise) gaussians(a.key, static_cast<uint64_t>(lo) >> 1, (hi - lo + 1) / 2, *scratch);
@@ -461,24 +475,37 @@ void update(const UpdateArgs& a) {
         T* x = step ? static_cast<T*>(a.x[p.k].data) : nullptr;
         T* xp = keep ? static_cast<T*>(a.x_prev[p.k].data) : nullptr;
         const double* zp = noise ? scratch->z + (base - lo) - p.begin : nullptr;
-        for (int64_t j = p.begin; j < p.end; ++j) {
-          double nv = a.reset ? 0.0 : static_cast<double>(v[j]);
-          if (s) nv += a.scale * static_cast<double>(s[j]);
-          if (noise) nv += a.sigma * zp[j];
-          const T vt = static_cast<T>(nv);
-          v[j] = vt;
-          if (x) {
-            const T old = x[j];
-            const T now = static_cast<T>(static_cast<double>(old) - a.lr * static_cast<double>(vt));
-            if (xp) xp[j] = old;
-            x[j] = now;
-            const double d = static_cast<double>(now) - static_cast<double>(old);
-            sq += d * d;
+        // Entry j's update; its squared step goes to a lane of its own, so that the loop vectorises (a
+        // single running sum would chain every entry) and the lanes' order is the same on every copy. The
+        // optional inputs are template flags: one branch-free loop per combination.
+        const auto run = [&](auto has_s, auto has_noise, auto has_x, auto has_xp) {
+          const auto entry = [&](int64_t j, double& lane) {
+            double nv = a.reset ? 0.0 : static_cast<double>(v[j]);
+            if constexpr (has_s()) nv += a.scale * static_cast<double>(s[j]);
+            if constexpr (has_noise()) nv += a.sigma * zp[j];
+            const T vt = static_cast<T>(nv);
+            v[j] = vt;
+            if constexpr (has_x()) {
+              const T old = x[j];
+              const T now = static_cast<T>(static_cast<double>(old) - a.lr * static_cast<double>(vt));
+              if constexpr (has_xp()) xp[j] = old;
+              x[j] = now;
+              const double d = static_cast<double>(now) - static_cast<double>(old);
+              lane += d * d;
+            }
+          };
+          int64_t j = p.begin;
+          for (; j + kUpdateLanes <= p.end; j += kUpdateLanes) {
+#pragma omp simd
+            for (int l = 0; l < kUpdateLanes; ++l) entry(j + l, lanes[l]);
           }
-        }
+          for (int l = 0; j < p.end; ++j, ++l) entry(j, lanes[l]);
+        };
+        dispatch(run, s != nullptr, noise, x != nullptr, xp != nullptr);
         base += p.end - p.begin;
       }
     }
+    for (int l = 0; l < kUpdateLanes; ++l) sq += lanes[l];  // a fixed order
     partial[t] = sq;
   }
   if (a.step_norm) {
