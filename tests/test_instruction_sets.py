@@ -1,7 +1,7 @@
 """Every instruction-set copy of the CPU kernels (baseline, AVX2, AVX-512, chosen at run time; capped with
 ``DPVR_CPU_ISA``) against the others on this machine: the same noise bit for bit (the Gaussians are the same
-IEEE operations at any vector width), and clipped sums and ghost norms within their rounding bounds (a
-reduction's order follows the vector width)."""
+IEEE operations at any vector width; the fused step and its norm too, summed in fixed lanes), and clipped
+sums and ghost norms within their rounding bounds (a reduction's order follows the vector width)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ for dtype in (torch.float32, torch.float64):
         v = torch.zeros(size, dtype=dtype)
         ops.noisy_update(v, sigma=1.0, reset=True, generator=g, stream="s")
         out[f"noise-{dtype}-{size}"] = v.numpy()
+        x, before, signal = (torch.linspace(-1, 1, size, dtype=dtype) for _ in range(3))
+        norm = ops.noisy_update(v, sum=signal, scale=0.5, sigma=0.1, generator=g, stream="u", params=x,
+                                params_prev=before, lr=0.3)
+        out[f"noise-step-{dtype}-{size}"] = np.concatenate([v.numpy(), x.numpy(), before.numpy(), [norm]])
     gen = torch.Generator().manual_seed(3)
     shapes = ((64, 300), (64, 5, 7))
     grads = [torch.randn(*s, generator=gen, dtype=dtype) for s in shapes]
