@@ -70,6 +70,25 @@ def test_crossover_and_exponent():
     assert scaling.paired_summary([1.0, 2.0, 3.0], [2.0, 3.5, 4.0], lower_is_better=False)["p"] > 0.5
 
 
+def test_diff2_restart_is_a_tenth_of_the_rounds_or_the_theorems():
+    """R / 10 by default; with --restart theorem, Theorem 4.3's max(1, tau R) at the cell's n, d, epsilon and
+    radii (1 at n = 64k with R = 50: DIFF2 is DP-GD there), and a different protocol key."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(40, 16), nn.Softplus(), nn.Linear(16, 10))  # d = 826
+    radii = {"restart": 1.0, "difference": 2.0}
+    fraction = scaling.Protocol((4000,), 5, 50, 64)
+    theorem = scaling.Protocol((4000,), 5, 400, 64, "theorem")
+    assert scaling.diff2_restart(fraction, radii, 4000, model, 1.0) == 5
+    tau = (math.sqrt(826) / (2.0 * 4000)) ** (2 / 3)
+    assert scaling.diff2_restart(theorem, radii, 4000, model, 1.0) == round(tau * 400) == 9
+    short = scaling.Protocol((64000,), 5, 50, 64, "theorem")
+    assert scaling.diff2_restart(short, radii, 64000, model, 1.0) == 1
+    key = fraction.key("diff2", 1.0, 4000)
+    assert key != scaling.Protocol((4000,), 5, 50, 64, "theorem").key("diff2", 1.0, 4000)
+    assert key == scaling.Protocol((4000,), 5, 50, 64).key("diff2", 1.0, 4000)  # earlier cells still read
+
+
 @pytest.mark.slow  # an experiment end to end (about 50 s on two shared cores)
 def test_tiny_run_end_to_end(offline, tmp_path):
     out = tmp_path / "out"

@@ -18,7 +18,8 @@ both papers predict the exponent ``-2/3`` in ``n`` for the method against ``-1/2
   PrivateDiff / DP-SGDA. float32.
 - **Methods.** DIFF2 paper: one client (centralised; :class:`~dpvr.optim.DIFF2` on the pooled training
   set), ``R`` full-batch rounds (``--rounds``, default 50); DP-GD is DIFF2 with ``restart = 1``;
-  DIFF2-GD restarts every ``T = R / 10`` rounds (inside the DIFF2 experiment's grid) with the difference
+  DIFF2-GD restarts every ``T = R / 10`` rounds (inside the DIFF2 experiment's grid; ``--restart theorem``:
+  Theorem 4.3's ``max(1, tau R)`` at the cell's n, d, epsilon and radii instead) with the difference
   radius ``C2 = 2`` (the median per-sample ``||grad l(x) - grad l(x')|| / ||x - x'||`` measured along a GD
   path on the public twin is 1-1.4, its 90th percentile about 2). Minimax paper: ``--steps`` x-updates
   (default 64) on batches of ``n / 16`` drawn without replacement (4 epochs), ``lr_y = 0.5``; DP-SGDA with
@@ -70,6 +71,7 @@ from ..ops import NoiseGenerator, torch_threads
 from ..optim import DIFF2, DPSGDA, DivergedError, PrivacyConfig, PrivateDiff, RuntimeConfig
 from ..persistence import atomic_write
 from ..results import Record, document, format_table, write_figure
+from ..trainer.defaults import Public, derive
 from .common import DIAGNOSTIC_NOTE, derive_seed, diagnostic, mean_std, one_sided_ttest, progress, save
 
 NAME = "scaling"
@@ -95,6 +97,7 @@ GRIDS: dict[str, tuple[dict[str, float], ...]] = {
 """The same grid, learning rate x clip radius, for the method and the baseline of each paper."""
 DIFF2_C2 = 2.0
 RESTART_FRACTION = 0.1  # DIFF2-GD's T = R / 10
+RESTARTS = ("fraction", "theorem")
 PD_RESTART, PD_Y_STEPS, PD_C2, PD_C3 = 2, 3, 2.0, 0.05
 LR_Y = 0.5
 BATCH_DIVISOR = 16
@@ -107,11 +110,14 @@ class Protocol:
     seeds: int
     rounds: int  # DIFF2 paper: full-batch rounds
     steps: int  # minimax paper: x-updates
+    restart: str = "fraction"  # DIFF2-GD's period: R / 10, or Theorem 4.3's (RESTARTS)
 
     def key(self, paper: str, epsilon: float, n: int) -> str:
         """A cell's file stem: paper, budget, size and a digest of everything else that shapes it."""
         settings = {"seeds": self.seeds, "rounds": self.rounds, "steps": self.steps, "grid": GRIDS[paper],
                     "delta": DELTA, "hidden": HIDDEN, "version": 1}
+        if self.restart != "fraction":
+            settings["restart"] = self.restart
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
         return f"{paper}_eps{epsilon:g}_n{n}_{digest}"
 
@@ -127,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"training sizes (default: {' '.join(map(str, SIZES))})")
     parser.add_argument("--rounds", type=int, help="DIFF2 paper: full-batch rounds R (default 50)")
     parser.add_argument("--steps", type=int, help="minimax paper: x-updates (default 64)")
+    parser.add_argument("--restart", choices=RESTARTS, default="fraction",
+                        help="DIFF2-GD's restart period: R / 10 (default) or Theorem 4.3's max(1, tau R) at "
+                             "each cell's n, d, epsilon and radii")
     parser.add_argument("--figure-dir", metavar="DIR", help="where the PNG figures go (default: --out)")
 
 
@@ -226,8 +235,8 @@ def _algorithm(
     runtime = RuntimeConfig(generator=generator, sampler_seed=derive_seed(seed, 3), grad_mode="materialised")
     lr, clip = point["lr"], point["clip"]
     if method in ("DP-GD", "DIFF2-GD"):
-        restart = 1 if method == "DP-GD" else max(2, round(RESTART_FRACTION * protocol.rounds))
         radii = {"restart": clip, "difference": DIFF2_C2}
+        restart = 1 if method == "DP-GD" else diff2_restart(protocol, radii, len(train[0]), model, epsilon)
         return DIFF2(model, _cross_entropy, [train], lr=lr, steps=protocol.rounds, restart=restart,
                      clip=radii, privacy=privacy, runtime=runtime)
     batch = max(1, len(train[0]) // BATCH_DIVISOR)
@@ -238,6 +247,17 @@ def _algorithm(
                        y_steps=PD_Y_STEPS, batch_size=batch,
                        clip={"y": clip, "checkpoint": clip, "difference": (PD_C2, PD_C3)},
                        privacy=privacy, runtime=runtime)
+
+
+def diff2_restart(protocol: Protocol, radii: dict[str, float], n: int, model: nn.Module,
+                  epsilon: float) -> int:
+    """DIFF2-GD's restart period: ``R / 10`` (at least 2), or Theorem 4.3's ``max(1, tau R)`` as
+    ``make_private`` derives it (:mod:`dpvr.trainer.defaults`; 1 makes DIFF2-GD DP-GD)."""
+    if protocol.restart == "fraction":
+        return max(2, round(RESTART_FRACTION * protocol.rounds))
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    public = Public(n=n, clients=1, dimension=d, epsilon=epsilon, delta=DELTA, steps=protocol.rounds)
+    return int(derive("diff2", {"clip": radii}, public)["restart"].value)
 
 
 def _train(
@@ -344,6 +364,7 @@ def _protocol(args: argparse.Namespace) -> Protocol:
         seeds=base.seeds if args.seeds is None else args.seeds,
         rounds=base.rounds if args.rounds is None else args.rounds,
         steps=base.steps if args.steps is None else args.steps,
+        restart=getattr(args, "restart", "fraction"),
     )
     if protocol.seeds < 2 or protocol.rounds < 1 or protocol.steps < 1 or min(protocol.sizes) < BATCH_DIVISOR:
         raise ValueError(f"--seeds must be at least 2, --rounds and --steps at least 1 and every size at "
