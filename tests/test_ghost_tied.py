@@ -6,7 +6,6 @@ most C) where the table's and the head's terms nearly cancel."""
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from fractions import Fraction
 
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 from dpvr.grads import GhostClipper
 from dpvr.grads.ghost import Dense, Outer, Rows, Tied, clipper
 from dpvr.grads.ghost.norms import _cross, write_error
+from test_ghost_rounding import clipped_ratio_sq
 
 BATCH = 6
 BACKENDS = ["native", "torch"]
@@ -270,10 +270,6 @@ class Opposed(nn.Module):
         return torch.tanh(by_table) - (1 - 1e-4) * torch.tanh(by_head)
 
 
-def exact_norm_sq(sums: list[Tensor]) -> Fraction:
-    return sum((Fraction(v) ** 2 for s in sums for v in s.double().flatten().tolist()), Fraction(0))
-
-
 def worst_ratio(make, backend: str, difference: bool) -> tuple[float, int]:
     worst, over = 0.0, 0
     for seed in range(SEEDS):
@@ -284,14 +280,7 @@ def worst_ratio(make, backend: str, difference: bool) -> tuple[float, int]:
         point = trainable(model)
         other = [p + 1e-4 * p.abs().max() * torch.randn_like(p) for p in point]
         ghost = GhostClipper(model, sequence_loss, backend=backend, norm_form="gram")
-        if difference:
-            run = functools.partial(ghost.clipped_diff_sum, x, y, point, other)
-        else:
-            run = functools.partial(ghost.clipped_sum, x, y, params=point)
-        norm = float(run(1e30).norms[0])
-        assert math.isfinite(norm) and norm > 0
-        clip = 0.37 * norm
-        ratio_sq = exact_norm_sq(run(clip).sums) / Fraction(clip) ** 2
+        ratio_sq = clipped_ratio_sq(ghost, x, y, point, other, difference)
         worst = max(worst, math.sqrt(ratio_sq))
         over += ratio_sq > 1
     return worst, over
