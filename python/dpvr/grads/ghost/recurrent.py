@@ -86,22 +86,25 @@ class RecurrentRule(VjpRule):
                 b_hh = getattr(m, "bias_hh" + suffix) if m.bias else None
                 inputs = F.linear(x, w_ih, b_ih)  # every step's input map at once: (B, T, G)
                 added = inputs.new_zeros(inputs.shape).requires_grad_()  # carries the recurrent maps' grads
+                # One view per step, taken once: indexing a step at a time would give each step's backward a
+                # gradient of the whole (B, T, G) tensor, T times over.
+                steps_in, steps_added = inputs.unbind(1), added.unbind(1)
                 k = layer * directions + d
                 h, c = h0[k], (c0[k] if lstm else None)
                 read, out = [None] * length, [None] * length
                 for t in (range(length - 1, -1, -1) if d else range(length)):
                     read[t] = h
-                    recurrent = F.linear(h, w_hh, b_hh) + added[:, t]
+                    recurrent = F.linear(h, w_hh, b_hh) + steps_added[t]
                     if lstm:
-                        h, c = _lstm_cell(inputs[:, t] + recurrent, h, c)
+                        h, c = _lstm_cell(steps_in[t] + recurrent, h, c)
                     elif gru:
-                        r_i, z_i, n_i = inputs[:, t].chunk(3, dim=-1)
+                        r_i, z_i, n_i = steps_in[t].chunk(3, dim=-1)
                         r_h, z_h, n_h = recurrent.chunk(3, dim=-1)
                         r, z = torch.sigmoid(r_i + r_h), torch.sigmoid(z_i + z_h)
                         h = (1 - z) * torch.tanh(n_i + r * n_h) + z * h
                     else:
                         act = torch.tanh if m.nonlinearity == "tanh" else torch.relu
-                        h = act(inputs[:, t] + recurrent)
+                        h = act(steps_in[t] + recurrent)
                     out[t] = h
                 exposed.update({f"x{layer}.{d}": x.detach(), f"i{layer}.{d}": inputs,
                                 f"r{layer}.{d}": added, f"h{layer}.{d}": torch.stack(read, dim=1).detach()})
