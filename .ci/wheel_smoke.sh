@@ -39,19 +39,25 @@ for required in ("dpvr/_C.pyi", "dpvr/py.typed"):
     assert required in names, f"{required} missing from the wheel"
 assert any(re.fullmatch(r"dpvr\.libs/libgomp-[0-9a-f]+\.so[.0-9]*", n) for n in names), "libgomp not bundled"
 EOF
-# Runtime instruction-set dispatch: everything is compiled for baseline x86-64 except the AVX2 copies of the
-# kernels (namespace dpvr::cpu::avx2), which run only on CPUs that report AVX2. The object files are checked,
-# not the stripped module, so that every function keeps its name: a host-tuned build (-march=native), a shared
-# inline function or template instance compiled for AVX2, or an AVX2 copy left without AVX2 code fails here.
+# Runtime instruction-set dispatch: everything is compiled for baseline x86-64 except the AVX2 and AVX-512
+# copies of the kernels (namespaces dpvr::cpu::avx2 and dpvr::cpu::avx512), which run only on CPUs that report
+# those instruction sets. The object files are checked, not the stripped module, so that every function keeps
+# its name: a host-tuned build (-march=native), a shared inline function or template instance compiled for
+# AVX2 or AVX-512, or a copy left without its own code (512-bit registers for the AVX-512 one) fails here.
 find "$work/build" -name '*.o' -print0 | xargs -0 objdump -d --no-show-raw-insn -C | awk '
   /^[0-9a-f]+ <.*>:$/ { fn = $0; next }
   /^ *[0-9a-f]+:\t/ {
     split($0, f, "\t")
     if (f[2] !~ /^v[a-z]/ && f[2] !~ /%[yz]mm/) next
     if (fn ~ /::avx2::/) avx2 = 1
-    else if (!(fn in bad)) { bad[fn] = 1; n++; print "AVX instructions outside the AVX2 kernels: " fn }
+    else if (fn ~ /::avx512::/) { if (f[2] ~ /%zmm/) avx512 = 1 }
+    else if (!(fn in bad)) { bad[fn] = 1; n++; print "AVX instructions outside the AVX2/AVX-512 kernels: " fn }
   }
-  END { if (!avx2) print "no AVX2 instructions in the AVX2 kernels"; exit (n > 0 || !avx2) }' >&2
+  END {
+    if (!avx2) print "no AVX2 instructions in the AVX2 kernels"
+    if (!avx512) print "no 512-bit instructions in the AVX-512 kernels"
+    exit (n > 0 || !avx2 || !avx512)
+  }' >&2
 
 step "fresh virtual environment: torch (CPU build) and the repaired wheel, binaries only"
 "$PY" -m venv "$work/venv"
