@@ -244,6 +244,9 @@ class _Checked:
             lambda want, x, y, a, b: self.reference.diff_sum(x, y, point, previous, clip, want, a=a, b=b),
             inputs, targets, a, b)
 
+    def batch_mean(self, losses, count):
+        return self.reduced.batch_mean(losses, count)
+
     def rows(self, values, clip, out) -> int:
         return self._check("rows", out, lambda: self.reduced.rows(values, clip, out),
                            lambda want, v: self.reference.rows(v, clip, want), values)

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..privacy import Accountant, events
@@ -212,19 +211,11 @@ class DPSGD(PrivateAlgorithm):
         )  # fmt: skip
         proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
-        info = {"batch": len(inputs), "nonfinite": dropped}
-        group = getattr(self.gradients, "group", None)
-        if group is not None:
-            # A data-parallel engine (dpvr.trainer.parallel): this process holds its share of the batch;
-            # report the whole batch's size and mean loss, as the release is the whole batch's.
-            loss = losses.detach().sum() if losses is not None else self._sum[0].new_zeros(())
-            total = torch.stack([loss, loss.new_tensor(float(len(inputs)))])
-            dist.all_reduce(total, group=group)
-            info["batch"] = int(total[1])
-            if losses is not None and info["batch"]:
-                info["loss"] = total[0] / total[1]
-        elif losses is not None and len(inputs):
-            info["loss"] = losses.mean().detach()  # a 0-d tensor: reading it waits for the device
+        # The whole batch's size and mean loss (a data-parallel engine holds a share of the batch).
+        batch, loss = self.gradients.batch_mean(losses, len(inputs))
+        info = {"batch": batch, "nonfinite": dropped}
+        if loss is not None:
+            info["loss"] = loss  # a 0-d tensor: reading it waits for the device
         # A last-iterate run's step length would reveal an intermediate iterate; an optimizer's is unmeasured.
         if not self.last_iterate_only and math.isfinite(self.x.move):
             info["move"] = self.x.move

@@ -203,6 +203,13 @@ class ClippedGradients:
         count = ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b, nonfinite=self.nonfinite)
         return self._dropped(int(count), len(inputs))
 
+    def batch_mean(self, losses: torch.Tensor | None, count: int) -> tuple[int, torch.Tensor | None]:
+        """The batch's size and mean per-record loss (a 0-d tensor; None without losses or records), from
+        the records this engine saw: a diagnostic of the data holder, never released."""
+        if losses is None or count == 0:
+            return count, None
+        return count, losses.detach().mean()
+
     def rows(self, values: torch.Tensor, clip: float, out: Sequence[torch.Tensor]) -> int:
         """``out += sum_i clip_C(values_i)`` for per-record vectors computed outside the model's gradients (a
         minimax problem's y-gradients, the SPIDERs' per-record scalars and same-record scalar differences:

@@ -275,6 +275,14 @@ class AllReducedGradients:
         return self._reduce(out, lambda scratch: self.engine.diff_sum(inputs, targets, point, previous, clip,
                                                                       scratch, a=a, b=b))
 
+    def batch_mean(self, losses: torch.Tensor | None, count: int) -> tuple[int, torch.Tensor | None]:
+        """The whole batch's size and mean loss: this process's loss sum and record count, all-reduced."""
+        loss = losses.detach().sum() if losses is not None else next(self.model.parameters()).new_zeros(())
+        total = torch.stack([loss, loss.new_tensor(float(count))])
+        dist.all_reduce(total, group=self.group)
+        whole = int(total[1])
+        return whole, (total[0] / total[1] if losses is not None and whole else None)
+
     def rows(self, values: torch.Tensor, clip: float, out: Sequence[torch.Tensor]) -> int:
         return self._reduce(out, lambda scratch: self.engine.rows(values, clip, scratch))
 
