@@ -89,25 +89,58 @@ def test_diff2_restart_is_a_tenth_of_the_rounds_or_the_theorems():
     assert key == scaling.Protocol((4000,), 5, 50, 64).key("diff2", 1.0, 4000)  # earlier cells still read
 
 
+def test_the_dro_task_is_long_tailed_nested_and_tested_on_balanced_data(offline):
+    """The DRO paper's "-ST" construction on MNIST-1D: n training records with a tenth positive (digits 5-9),
+    the first of each class in generation order (so the sets nest), a balanced test set, and the schedule
+    that make_private derives from DP-DRO Theorems 7 and 8."""
+    from torch import nn
+
+    small, large = scaling._data("dro", 100), scaling._data("dro", 200)
+    for data, n in ((small, 100), (large, 200)):
+        x, y = data.train
+        assert x.shape == (n, 40) and int(y.sum()) == n // 10 and set(y.tolist()) == {0, 1}
+        assert int(data.twin[1].sum()) == n // 10 and not np.allclose(data.twin[0][:5], x[:5])
+    test_labels = small.test[1]
+    assert 2 * int(test_labels.sum()) == len(test_labels) > 0  # balanced
+    assert all(len(data.validation[0]) == 100 for data in (small, large))  # half of the 200 validation records
+    rows = {tuple(r.tolist()) for r in large.train[0]}
+    assert all(tuple(r.tolist()) in rows for r in small.train[0])  # nested
+    raw = load_mnist1d(200, "train")
+    positives = np.isin(raw.targets, scaling.DRO_POSITIVE)
+    assert np.allclose(small.train[0][small.train[1] == 1].numpy(), raw.features[positives][:10])
+    with pytest.raises(ValueError, match="needs"):
+        scaling._first_of_each_class(np.array([0, 0, 1]), {0: 1, 1: 2}, "toy")
+
+    model = nn.Sequential(nn.Linear(40, 16), nn.Softplus(), nn.Linear(16, 2))  # d = 690
+    radii = {"eta-refresh": 1.0, "eta-difference": (2.0, 2.0), "x-refresh": 1.0, "x-difference": (2.0, 2.0)}
+    restart, sizes = scaling.spider_schedule(scaling.Protocol((16000,), 5, 50, 64), radii, 16000, model, 1.0)
+    q = (16000 / math.sqrt(690 * math.log(1e6))) ** (2 / 3)
+    assert restart == round(q) == 30
+    b2 = (16000 * 690 * math.log(1e6)) ** (1 / 3) / 2 ** (1 / 6)
+    assert sizes == {"eta-refresh": 16000, "x-refresh": 16000, "eta-difference": math.ceil(b2),
+                     "x-difference": math.ceil(b2)}
+
+
 @pytest.mark.slow  # an experiment end to end (about 50 s on two shared cores)
 def test_tiny_run_end_to_end(offline, tmp_path):
     out = tmp_path / "out"
     options = ["--quick", "--sizes", "64", "128", "--seeds", "2", "--rounds", "3", "--steps", "2",
                "--epsilon", "4", "--out", str(out)]
     doc = scaling.run(parse("scaling", options))
-    assert len(doc["records"]) == 2 * 2 * 2 * 2  # papers x sizes x methods x seeds
+    assert len(doc["records"]) == 3 * 2 * 2 * 2  # papers x sizes x methods x seeds
     for record in doc["records"]:
         assert record["spent_epsilon"] <= 4 + 1e-6
         assert record["metrics"]["diagnostics"]["private"] is False
         assert math.isfinite(record["metrics"]["diagnostics"]["grad_norm"])
-    for key in ("diff2/eps4", "privatediff/eps4"):
+    for key in ("diff2/eps4", "privatediff/eps4", "dro/eps4"):
         found = doc["analysis"][key]
         assert [row["n"] for row in found["rows"]] == [64, 128]
         assert set(found["exponent"]) == set(scaling.PAPERS[key.split("/")[0]])
-    for name in ("scaling.json", "scaling.csv", "scaling-diff2.png", "scaling-privatediff.png"):
+    assert all("worst_class_accuracy" in r["metrics"] for r in doc["records"] if r["dataset"].endswith("_st"))
+    for name in ("scaling.json", "scaling.csv", "scaling-diff2.png", "scaling-privatediff.png", "scaling-dro.png"):
         assert (out / name).is_file()
     assert json.loads((out / "scaling.json").read_text())["experiment"] == "scaling"
     cells = sorted(os.listdir(out / "cells"))
-    assert len(cells) == 4
+    assert len(cells) == 6
     again = scaling.run(parse("scaling", options))  # every cell read back, nothing recomputed
     assert json.dumps(again["analysis"]) == json.dumps(doc["analysis"])

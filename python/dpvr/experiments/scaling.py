@@ -1,21 +1,34 @@
-"""Where variance reduction wins as the data grow (issue #32): DIFF2-GD against DP-GD and PrivateDiff against
-DP-SGDA on MNIST-1D at growing training sizes ``n``, paired over seeds.
+"""Where variance reduction wins as the data grow (issue #32): DIFF2-GD against DP-GD, PrivateDiff against
+DP-SGDA and DP Double-SPIDER against DP-SGD on the same dual of distributionally robust training, on
+MNIST-1D at growing training sizes ``n``, paired over seeds.
 
 The theory predicts a crossover once ``n epsilon`` is large against the dimension ``d``: PrivateDiff's
 gradient norm ``d^(1/3) / (n eps)^(2/3)`` against DP-SGDA's ``d^(1/4) / (n eps)^(1/2)``; DIFF2's squared
-gradient norm ``d^(2/3) / (n eps)^(4/3)`` against DP-GD's ``sqrt(d) / (n eps)``. In the norm (not squared)
-both papers predict the exponent ``-2/3`` in ``n`` for the method against ``-1/2`` for its baseline.
+gradient norm ``d^(2/3) / (n eps)^(4/3)`` against DP-GD's ``sqrt(d) / (n eps)``; Double-SPIDER's gradient
+norm ``(sqrt(d log(1/delta)) / (n eps))^(2/3)`` (DP-DRO Theorem 7) against DP-SGD's ``(sqrt(d) / (n
+eps))^(1/2)`` on the same smooth non-convex dual. In
+the norm (not squared) all three papers predict the exponent ``-2/3`` in ``n`` for the method against
+``-1/2`` for its baseline.
 
 - **Data.** MNIST-1D (:mod:`dpvr.data.mnist1d`, ``pip install "dpvr[mnist1d]"``), generated locally: the
   ``n`` training records (``--sizes``; nested: the set of ``16k`` contains the set of ``4k``), a fixed test
   set of 8,000 records, and two *public* draws from the same generator with seeds of their own: a twin of
   the training set (``n`` records) and a validation set (4,000). The signals are already standardised by
   the generator; nothing is fitted. The minimax paper's AUC task makes digits 0-4 the positive class
-  (public ``p = 0.5``).
+  (public ``p = 0.5``). The DRO paper's task is its binary imbalanced "-ST" construction on MNIST-1D
+  (digits 5-9 positive, as its MNIST-ST): a cell's ``n`` training records are the first ``0.9 n``
+  negatives and the first ``0.1 n`` positives, in generation order, of the first ``2 n`` generated records
+  (so the sets nest as ``n`` grows); the public twin and the validation set (2,000) are built the same way
+  from their own draws; the test set is the fixed 8,000 cut to the same number of records of each class
+  (the first of each, in order). The construction reads labels only, never a signal, and defines the
+  private training set the guarantee is about.
 - **Models.** ``d``: an MLP 40-16-10 with a softplus hidden layer (``d = 826``) and the per-sample
   cross-entropy for DIFF2 / DP-GD; the same MLP with one output (``d = 675``, with AUC-M's ``a, b``) and
   the AUC-M objective (:class:`~dpvr.objectives.AUCMargin` ``v1``, margin 1, ``alpha`` in ``[0, 2]``) for
-  PrivateDiff / DP-SGDA. float32.
+  PrivateDiff / DP-SGDA; the same MLP with two outputs (``d = 690``) and the per-sample cross-entropy
+  inside the KL-penalised DRO objective ``LAM log mean_i exp(l_i / LAM)`` (``LAM = 1``; the value of
+  ``max_p sum_i p_i l_i - LAM KL(p, 1/n)``) for Double-SPIDER / DP-SGD, both on its dual
+  ``min_(x, eta) mean_i LAM psi*((l_i(x) - eta) / LAM) + eta``. float32.
 - **Methods.** DIFF2 paper: one client (centralised; :class:`~dpvr.optim.DIFF2` on the pooled training
   set), ``R`` full-batch rounds (``--rounds``, default 50); DP-GD is DIFF2 with ``restart = 1``;
   DIFF2-GD restarts every ``T = R / 10`` rounds (inside the DIFF2 experiment's grid; ``--restart theorem``:
@@ -24,21 +37,31 @@ both papers predict the exponent ``-2/3`` in ``n`` for the method against ``-1/2
   path on the public twin is 1-1.4, its 90th percentile about 2). Minimax paper: ``--steps`` x-updates
   (default 64) on batches of ``n / 16`` drawn without replacement (4 epochs), ``lr_y = 0.5``; DP-SGDA with
   ``C_x = C_y = C``; PrivateDiff (``y_release="ascent"``, ``T = 2``, ``T2 = 3`` as the paper's Table 2)
-  with ``C0 = C1 = C`` and difference radius ``2 ||x_r - x_{r-1}|| + 0.05``.
+  with ``C0 = C1 = C`` and difference radius ``2 ||x_r - x_{r-1}|| + 0.05``. DRO paper: ``--steps``
+  x-updates; DP-SGD on ``(x, eta)`` (:class:`~dpvr.objectives.WithEta`, ``eta_0 = 0``) with radius ``C``
+  on batches of ``n / 16`` drawn without replacement; Double-SPIDER with the
+  refresh radii ``C``, difference coefficients ``(2, 2)``, ``lr_eta = 0.1``, ``max_move = 0.1`` (the DRO
+  experiment's settings), and its refresh period ``q`` and batch sizes from DP-DRO Theorems 7 and 8 at the
+  cell's ``n, d, epsilon, delta`` and radii (``b1 = n`` on the refresh streams, ``b2`` of order
+  ``(n d log(1/delta))^(1/3)`` on the difference streams), as ``make_private`` derives them.
 - **Hyper-parameters.** Every method searches the same grid of four points, learning rate x clip radius
   (DIFF2 paper: ``lr`` in {0.5, 2} x ``C1`` in {1, 4}; minimax: ``lr_x`` in {0.3, 1} x ``C`` in {0.5,
-  2}), once per ``(n, epsilon)``: each point runs the private algorithm at the target epsilon on the public
-  twin and is scored by the training objective on the public validation set (DIFF2 paper: mean
-  cross-entropy; minimax: the primal ``Phi(x) = max_alpha L(x, alpha)``, exact for AUC-M). The search reads
-  public data only, so the private runs' guarantee covers everything (no tuning outside the accounting).
+  2}; DRO: ``lr`` in {0.05, 0.5} x ``C`` in {0.5, 2}), once per ``(n, epsilon)``: each point runs the
+  private algorithm at the target epsilon on the public twin and is scored by the training objective on
+  the public validation set (DIFF2 paper: mean cross-entropy; minimax: the primal
+  ``Phi(x) = max_alpha L(x, alpha)``, exact for AUC-M; DRO: the KL-penalised objective in closed form).
+  The search reads public data only, so the private runs' guarantee covers everything (no tuning outside
+  the accounting).
 - **Privacy.** ``(epsilon, 1e-6)``-DP, replace-one neighbours, tight accountant calibration (the
   default) of every stream in one accountant; spent epsilon is ``privacy_spent()``.
 - **Seeds and pairing.** Seed ``s`` fixes the initialisation, the noise and the batches; method and
   baseline get the same seed's initialisation and the same training set (paired).
 - **Metrics.** ``grad_norm``: the norm of the full gradient of the training objective at the output,
   computed on the private training set without noise (DIFF2 paper: of the mean cross-entropy; minimax: of
-  ``Phi``, i.e. ``grad_x L(x, alpha*(x))`` by Danskin) — a diagnostic, not private; ``test_accuracy``
-  (DIFF2 paper) or ``test_auc`` (minimax) on the test set. Per ``(paper, epsilon, n)``: method - baseline
+  ``Phi``, i.e. ``grad_x L(x, alpha*(x))`` by Danskin; DRO: of the KL-penalised objective, i.e.
+  ``sum_i softmax_i(l / LAM) grad l_i``) — a diagnostic, not private; ``test_accuracy`` (DIFF2 paper),
+  ``test_auc`` (minimax) or ``worst_class_accuracy`` (DRO; ``test_accuracy`` is kept beside it) on the
+  test set. Per ``(paper, epsilon, n)``: method - baseline
   per seed, its mean with a 95% t-interval, and one-sided paired t-tests (alternative: the method is
   better). The exponent of the mean gradient norm in ``n`` is fitted by least squares on log-log axes.
 
@@ -65,10 +88,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.dataset import Dataset
 from ..data.mnist1d import load_mnist1d
-from ..objectives import AUCMargin, AUCModel, auc_score
+from ..objectives import AUCMargin, AUCModel, WithEta, auc_score, divergence, dual_loss
+from ..objectives.dro import cross_entropy as indexed_cross_entropy
 from ..ops import NoiseGenerator, torch_threads
-from ..optim import DIFF2, DPSGDA, DivergedError, PrivacyConfig, PrivateDiff, RuntimeConfig
+from ..optim import (
+    DIFF2,
+    DPSGD,
+    DPSGDA,
+    DivergedError,
+    DoubleSpider,
+    PrivacyConfig,
+    PrivateDiff,
+    RuntimeConfig,
+)
 from ..persistence import atomic_write
 from ..results import Record, document, format_table, write_figure
 from ..trainer.defaults import Public, derive
@@ -78,10 +112,12 @@ NAME = "scaling"
 PAPERS: dict[str, tuple[str, str]] = {
     "diff2": ("DIFF2-GD", "DP-GD"),
     "privatediff": ("PrivateDiff", "DP-SGDA"),
+    "dro": ("Double-SPIDER", "DP-SGD (dual)"),
 }
 """Paper -> (method, baseline)."""
-TEST_METRIC = {"diff2": "test_accuracy", "privatediff": "test_auc"}
-THEORY_EXPONENT = {"DIFF2-GD": -2 / 3, "DP-GD": -1 / 2, "PrivateDiff": -2 / 3, "DP-SGDA": -1 / 2}
+TEST_METRIC = {"diff2": "test_accuracy", "privatediff": "test_auc", "dro": "worst_class_accuracy"}
+THEORY_EXPONENT = {"DIFF2-GD": -2 / 3, "DP-GD": -1 / 2, "PrivateDiff": -2 / 3, "DP-SGDA": -1 / 2,
+                   "Double-SPIDER": -2 / 3, "DP-SGD (dual)": -1 / 2}
 """The exponent of the gradient norm (not squared) in ``n`` that each method's rate predicts."""
 SIZES = (4000, 16000, 64000)
 EPSILONS = (1.0, 4.0)
@@ -93,6 +129,7 @@ ALPHA_MAX = 2.0
 GRIDS: dict[str, tuple[dict[str, float], ...]] = {
     "diff2": tuple({"lr": lr, "clip": c} for lr in (0.5, 2.0) for c in (1.0, 4.0)),
     "privatediff": tuple({"lr": lr, "clip": c} for lr in (0.3, 1.0) for c in (0.5, 2.0)),
+    "dro": tuple({"lr": lr, "clip": c} for lr in (0.05, 0.5) for c in (0.5, 2.0)),
 }
 """The same grid, learning rate x clip radius, for the method and the baseline of each paper."""
 DIFF2_C2 = 2.0
@@ -100,6 +137,9 @@ RESTART_FRACTION = 0.1  # DIFF2-GD's T = R / 10
 RESTARTS = ("fraction", "theorem")
 PD_RESTART, PD_Y_STEPS, PD_C2, PD_C3 = 2, 3, 2.0, 0.05
 LR_Y = 0.5
+DRO_POSITIVE = (5, 6, 7, 8, 9)  # the DRO paper's MNIST-ST positives
+DRO_POSITIVE_SHARE, DRO_POOL = 0.1, 2  # n records from the first DRO_POOL * n generated
+DRO_LAM, DRO_LR_ETA, DRO_MAX_MOVE, DRO_DIFFERENCE = 1.0, 0.1, 0.1, (2.0, 2.0)
 BATCH_DIVISOR = 16
 TUNE_SEED = 10**6  # the seed of the tuning runs (on public data), apart from the evaluation seeds
 
@@ -154,6 +194,8 @@ class _Data:
 
 def _data(paper: str, n: int) -> _Data:
     def tensors(split: str) -> Pair:
+        if paper == "dro":
+            return _long_tailed(split, n)
         part = load_mnist1d(n, split)  # type: ignore[arg-type]
         targets = torch.as_tensor(part.targets)
         if paper == "privatediff":
@@ -161,6 +203,33 @@ def _data(paper: str, n: int) -> _Data:
         return torch.as_tensor(part.features, dtype=torch.float32), targets
 
     return _Data(tensors("train"), tensors("public"), tensors("validation"), tensors("test"))
+
+
+def _first_of_each_class(targets: np.ndarray, counts: dict[int, int], source: str) -> np.ndarray:
+    """The indices of the first ``counts[c]`` records of each class ``c``, in order (reads labels only)."""
+    keep = []
+    for c, count in counts.items():
+        found = np.flatnonzero(targets == c)[:count]
+        if len(found) < count:
+            raise ValueError(f"{source}: needs {count} records of class {c}, has {len(found)}")
+        keep.append(found)
+    return np.sort(np.concatenate(keep))
+
+
+def _long_tailed(split: str, n: int) -> Pair:
+    """The DRO paper's binary "-ST" task on MNIST-1D (module documentation): imbalanced ``n`` records for
+    ``"train"`` and ``"public"`` (half the validation set's for ``"validation"``), the test set balanced."""
+    part: Dataset = load_mnist1d(DRO_POOL * n, split)  # type: ignore[arg-type]
+    size = {"test": None, "validation": len(part) // DRO_POOL}.get(split, n)
+    binary = np.isin(part.targets, DRO_POSITIVE).astype(np.int64)
+    if size is None:
+        per_class = int(np.bincount(binary, minlength=2).min())
+        counts = {0: per_class, 1: per_class}
+    else:
+        positives = round(DRO_POSITIVE_SHARE * size)
+        counts = {0: size - positives, 1: positives}
+    keep = _first_of_each_class(binary, counts, f"MNIST-1D {split} ({len(binary)} records)")
+    return torch.as_tensor(part.features[keep], dtype=torch.float32), torch.as_tensor(binary[keep])
 
 
 # ---- models and objectives -------------------------------------------------------------------------------
@@ -172,7 +241,8 @@ def _net(outputs: int, seed: int) -> nn.Sequential:
 
 
 def _model(paper: str, seed: int) -> nn.Module:
-    return _net(10, seed) if paper == "diff2" else AUCModel(_net(1, seed))
+    return {"diff2": lambda: _net(10, seed), "dro": lambda: _net(2, seed),
+            "privatediff": lambda: AUCModel(_net(1, seed))}[paper]()
 
 
 def dimension(paper: str) -> int:
@@ -202,6 +272,9 @@ def _objective(paper: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -
     """The training objective at the model: mean cross-entropy, or AUC-M's primal ``Phi(x)``."""
     if paper == "diff2":
         return F.cross_entropy(model(x).double(), y)
+    if paper == "dro":
+        losses = F.cross_entropy(model(x).double(), y, reduction="none")
+        return DRO_LAM * (torch.logsumexp(losses / DRO_LAM, dim=0) - math.log(len(losses)))
     alpha = _best_alpha(model, x, y)  # type: ignore[arg-type]
     return _PROBLEM.objective(model(x).double(), y, alpha)
 
@@ -215,8 +288,11 @@ def _evaluate(paper: str, model: nn.Module, data: _Data) -> dict[str, float]:
     out = {"grad_norm": norm, "train_objective": float(value.detach())}
     with torch.no_grad():
         x, y = data.test
-        if paper == "diff2":
-            out["test_accuracy"] = float((model(x).argmax(dim=1) == y).double().mean())
+        if paper in ("diff2", "dro"):
+            correct = (model(x).argmax(dim=1) == y).double()
+            out["test_accuracy"] = float(correct.mean())
+            if paper == "dro":
+                out["worst_class_accuracy"] = min(float(correct[y == c].mean()) for c in (0, 1))
         else:
             scores = model.scores(x)  # type: ignore[operator]
             out["test_auc"] = float(auc_score(scores, y)) if bool(torch.isfinite(scores).all()) else math.nan
@@ -227,9 +303,9 @@ def _evaluate(paper: str, model: nn.Module, data: _Data) -> dict[str, float]:
 
 
 def _algorithm(
-    method: str, point: dict[str, float], model: nn.Module, train: Pair, epsilon: float,
+    paper: str, method: str, point: dict[str, float], model: nn.Module, train: Pair, epsilon: float,
     protocol: Protocol, seed: int,
-) -> DIFF2 | DPSGDA | PrivateDiff:
+) -> DIFF2 | DPSGD | DPSGDA | DoubleSpider | PrivateDiff:
     privacy = PrivacyConfig(epsilon=epsilon, delta=DELTA)
     generator = NoiseGenerator(derive_seed(seed, 2), reproducible=True)
     runtime = RuntimeConfig(generator=generator, sampler_seed=derive_seed(seed, 3), grad_mode="materialised")
@@ -240,6 +316,8 @@ def _algorithm(
         return DIFF2(model, _cross_entropy, [train], lr=lr, steps=protocol.rounds, restart=restart,
                      clip=radii, privacy=privacy, runtime=runtime)
     batch = max(1, len(train[0]) // BATCH_DIVISOR)
+    if paper == "dro":
+        return _dro_algorithm(method, lr, clip, model, train, epsilon, protocol, batch, privacy, runtime)
     if method == "DP-SGDA":
         return DPSGDA(model, _PROBLEM, *train, lr=lr, lr_y=LR_Y, steps=protocol.steps, batch_size=batch,
                       clip={"x": clip, "y": clip}, privacy=privacy, runtime=runtime)
@@ -247,6 +325,35 @@ def _algorithm(
                        y_steps=PD_Y_STEPS, batch_size=batch,
                        clip={"y": clip, "checkpoint": clip, "difference": (PD_C2, PD_C3)},
                        privacy=privacy, runtime=runtime)
+
+
+def _dro_algorithm(
+    method: str, lr: float, clip: float, model: nn.Module, train: Pair, epsilon: float, protocol: Protocol,
+    batch: int, privacy: PrivacyConfig, runtime: RuntimeConfig,
+) -> DPSGD | DoubleSpider:
+    """DP-SGD or Double-SPIDER on the dual of the KL-penalised problem; Double-SPIDER with the theorems'
+    refresh period and batch sizes (:func:`spider_schedule`)."""
+    x, y = train
+    div = divergence("kl")
+    if method == "DP-SGD (dual)":  # ``model`` is trained in place inside the wrapper that adds ``eta``
+        return DPSGD(WithEta(model), dual_loss(div, DRO_LAM), x, y, lr=lr, steps=protocol.steps,
+                     batch_size=batch, sampling="wor", clip=clip, privacy=privacy, runtime=runtime)
+    radii = {"eta-refresh": clip, "eta-difference": DRO_DIFFERENCE, "x-refresh": clip,
+             "x-difference": DRO_DIFFERENCE}
+    restart, sizes = spider_schedule(protocol, radii, len(x), model, epsilon)
+    return DoubleSpider(model, indexed_cross_entropy, x, y, divergence=div, lam=DRO_LAM, steps=protocol.steps,
+                        restart=restart, batch_sizes=sizes, lr=lr, lr_eta=DRO_LR_ETA, max_move=DRO_MAX_MOVE,
+                        clip=radii, privacy=privacy, runtime=runtime)
+
+
+def spider_schedule(protocol: Protocol, radii: dict[str, Any], n: int, model: nn.Module,
+                    epsilon: float) -> tuple[int, dict[str, int]]:
+    """Double-SPIDER's refresh period and batch sizes by DP-DRO Theorems 7 and 8, as ``make_private``
+    derives them (:mod:`dpvr.trainer.defaults`)."""
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    public = Public(n=n, clients=1, dimension=d, epsilon=epsilon, delta=DELTA, steps=protocol.steps)
+    derived = derive("double-spider", {"clip": radii}, public)
+    return int(derived["restart"].value), dict(derived["batch_sizes"].value)
 
 
 def diff2_restart(protocol: Protocol, radii: dict[str, float], n: int, model: nn.Module,
@@ -266,7 +373,7 @@ def _train(
 ) -> tuple[nn.Module, float, bool]:
     """Runs ``method`` on ``train``: ``(model, spent epsilon, completed)``; a diverged run stops early."""
     model = copy.deepcopy(init)
-    alg = _algorithm(method, point, model, train, epsilon, protocol, seed)
+    alg = _algorithm(paper, method, point, model, train, epsilon, protocol, seed)
     total = protocol.rounds if paper == "diff2" else protocol.steps
     completed = True
     try:
@@ -430,7 +537,8 @@ def _records(cells: dict[tuple[str, float, int], dict[str, Any]]) -> list[Record
                 diagnostics = {k: values.pop(k) for k in ("grad_norm", "train_objective")}
                 metrics = {"n": n, "paper": paper, **values, "selected": found["selected"],
                            "diagnostics": {"private": False, **diagnostics}}
-                records.append(Record(method, f"mnist1d_{n}", epsilon, DELTA, s["seed"], s["spent_epsilon"],
+                dataset = f"mnist1d_{n}" + ("_st" if paper == "dro" else "")
+                records.append(Record(method, dataset, epsilon, DELTA, s["seed"], s["spent_epsilon"],
                                       metrics))
     return records
 
