@@ -114,6 +114,16 @@ def tokens(vocab: int, length: int = 5) -> Tensor:
     return t
 
 
+def prompt_ignored(vocab: int, length: int) -> Tensor:
+    """Targets whose first positions the loss ignores in every record, and one more in one record: the
+    output gradients are zero there, and the steps every record ignores are left out
+    (:func:`dpvr.grads.ghost.linear.read_steps`)."""
+    t = tokens(vocab, length)
+    t[:, :3] = -100
+    t[0, 4] = -100
+    return t
+
+
 # name: (model, inputs, targets, the shared parameter's part for norm_form="auto")
 CASES = {
     "embedding-head": (TiedLanguageModel, lambda: tokens(40), lambda: tokens(40), Tied),
@@ -122,6 +132,8 @@ CASES = {
     "materialised-head": (lambda: TiedLanguageModel(vocab=8, width=3), lambda: tokens(8, 9),
                           lambda: tokens(8, 9), Dense),
     "gpt2": (Gpt2, lambda: tokens(40, 7), lambda: tokens(40, 7), Tied),
+    "gpt2-prompt-ignored": (Gpt2, lambda: tokens(40, 7), lambda: prompt_ignored(40, 7), Tied),
+    "prompt-ignored": (TiedLanguageModel, lambda: tokens(40), lambda: prompt_ignored(40, 5), Tied),
     "two-linears": (TiedLinear, lambda: torch.randn(BATCH, 2, 5), lambda: torch.randint(0, 5, (BATCH, 2)),
                     Outer),
     "two-embeddings-and-head": (TwoEmbeddings, lambda: tokens(30), lambda: tokens(30), Tied),
@@ -352,3 +364,17 @@ def test_write_error_bounds_the_rounding_of_a_tied_sum() -> None:
         allowed = Fraction(float(f[0])) * (Fraction(float(bound[0]))
                                            + Fraction(2 ** -24) * Fraction(float(exact.norm())))
         assert err_sq <= allowed ** 2
+
+
+def test_steps_no_sample_reads_are_left_out_on_the_host() -> None:
+    from dpvr.grads.ghost.linear import read_steps
+
+    m, n = torch.randn(3, 5, 4), torch.randn(3, 5, 2)
+    n[:, 1] = 0
+    n[:, 3] = 0
+    n[0, 4] = 0  # read by the other samples: kept
+    kept_m, kept_n = read_steps(m, n)
+    assert torch.equal(kept_m, m[:, [0, 2, 4]]) and torch.equal(kept_n, n[:, [0, 2, 4]])
+    assert read_steps(m, torch.randn(3, 5, 2))[0] is m  # every step read: the tensors themselves
+    full = Outer([(m, n)])
+    torch.testing.assert_close(Outer([(kept_m, kept_n)]).per_sample(), full.per_sample())

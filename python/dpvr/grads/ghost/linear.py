@@ -49,9 +49,9 @@ class LinearMapRule(GhostRule):
         raise NotImplementedError
 
     def weight(self, pieces: Pieces) -> Outer:
-        """The weight's part from pieces of inputs and output gradients."""
-        return Outer([(steps([self.activations(x) for x in xs]), steps([self.output_grads(g) for g in gs]))
-                      for xs, gs in pieces])
+        """The weight's part from pieces of inputs and output gradients (only the steps that carry any)."""
+        return Outer([read_steps(steps([self.activations(x) for x in xs]),
+                                 steps([self.output_grads(g) for g in gs])) for xs, gs in pieces])
 
     def _parts(self, pieces: Pieces, bias: list[Tensor]) -> dict[str, Part]:
         g = steps([self.output_grads(g) for g in bias])
@@ -71,6 +71,23 @@ class LinearMapRule(GhostRule):
             # The activation map is linear: the difference of activations is that of the inputs.
             pieces.append(([x - x_b for x, x_b in inputs], grads_b))
         return self._parts(pieces, bias)
+
+
+def read_steps(m: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """``(M, N)`` without the steps at which every sample's output gradient is zero.
+
+    Such a step adds ``N[i, t] M[i, t]^T = 0`` to every sample's matrix, to its norm in either form, to the
+    cross term of a tied part and to the clipped sum, so leaving it out changes no value (it shortens
+    rounding chains only, which the bounds count from the steps kept). These are the positions a loss does
+    not read: a sequence classified from its last position, labels set to be ignored, padding. On the host
+    only: elsewhere the kept steps' count would cost a device synchronisation per layer.
+    """
+    if n.dim() != 3 or n.shape[1] == 1 or n.device.type != "cpu":
+        return m, n
+    kept = n.ne(0).any(dim=2).any(dim=0)
+    if bool(kept.all()):
+        return m, n
+    return m[:, kept], n[:, kept]
 
 
 @register_ghost_rule(nn.Linear)
