@@ -29,6 +29,38 @@ def test_each_case_times_every_method(case: str) -> None:
             assert 0 < r.metrics["native_share"] < 1, r
 
 
+@pytest.mark.slow  # Opacus on a small GPT-2
+def test_opacus_hooks_steps_the_gpt2_case() -> None:
+    """The decoder passes one row of position ids per record (``transformers`` broadcasts one row over the
+    batch, which Opacus' per-sample hooks cannot stack); Opacus' ghost clipping refuses the tied head."""
+    import copy
+    import warnings
+
+    pytest.importorskip("opacus")
+    case = step.make_case("gpt2", batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert callable(step._opacus_hooks(copy.deepcopy(case.model), case))
+        assert "tying" in step._opacus_ghost(copy.deepcopy(case.model), case)
+
+
+def test_the_sequence_exponents_are_fitted_per_gpt2_size() -> None:
+    from dpvr.bench import SCALE_CASES, SCALE_DEFAULT
+    from dpvr.results import Record
+
+    assert {"gpt2-1e8-t128", "gpt2-1e8-t512"} <= set(SCALE_CASES) - set(SCALE_DEFAULT)
+    records = [Record(method="m", dataset=f"gpt2-14M-seq{t}/B=8/cpu",
+                      metrics={"ms": 3.0 * t, "peak_mib": t**2, "batch": 8}) for t in (128, 512, 1024)]
+    records += [Record(method="m", dataset=f"gpt2-124M-seq{t}/B=2/cpu",
+                       metrics={"ms": 2 * t**1.5, "peak_mib": 2 * t**0.5, "batch": 2}) for t in (128, 512)]
+    records += [Record(method="m", dataset="gpt2-2layer-seq64/B=64/cpu", metrics={"ms": 1.0, "batch": 64}),
+                Record(method="m", dataset="gpt2-124M-seq9/B=2/cpu", metrics={"skipped": "no", "batch": 2})]
+    fits = {name: (a, b) for name, a, b in step.sequence_scaling(records)}
+    assert fits.keys() == {"m (gpt2-14M)", "m (gpt2-124M)"}  # one fit per model, never across them
+    assert fits["m (gpt2-14M)"] == pytest.approx((1.0, 2.0))
+    assert fits["m (gpt2-124M)"] == pytest.approx((1.5, 0.5))
+
+
 @pytest.mark.slow  # a benchmark run
 def test_the_plot_draws_every_case(tmp_path) -> None:
     records = step.run(cases=["mlp", "cnn"], repeats=1, quick=True, memory=True, batch=4)
@@ -111,3 +143,33 @@ def test_the_parallel_bench_times_one_and_two_processes() -> None:
     one, two = parallel.run(case="mlp", batch=64, steps=2)
     assert one.metrics["ms"] > 0 and two.metrics["ms"] > 0
     assert two.metrics["ratio_vs_one_process"] == pytest.approx(two.metrics["ms"] / one.metrics["ms"])
+
+
+def test_methods_that_materialise_are_skipped_where_the_per_sample_gradients_cannot_fit(monkeypatch) -> None:
+    """Opacus' hooks and the materialised round hold B x d numbers: on a host with too little memory they are
+    recorded as skipped, with the sizes, instead of the benchmark being killed."""
+    case = step.make_case("mlp")  # 512 x 234k float32: 0.45 GiB
+    gib = 2**30
+
+    def host(total: int):
+        monkeypatch.setattr(step.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096}.get(name, total // 4096))
+
+    host(64 * gib)
+    assert step._too_large_to_materialise(case) is None
+    host(1 * gib)
+    why = step._too_large_to_materialise(case)
+    assert why is not None and "512 x" in why and "0.4 GiB" in why and "1 GiB" in why
+
+
+def test_the_scale_figure_draws_time_and_memory_against_the_length(tmp_path) -> None:
+    from dpvr.results import Record
+
+    records = [Record(method=m, dataset=f"gpt2-{size}-seq{t}/B=2/cpu",
+                      metrics={"ms": k * t, "peak_mib": k * t / 10, "batch": 2})
+               for k, m in enumerate(("non-private", "dpvr-dp-sgd-ghost", "opacus-hooks-dp-sgd"), start=1)
+               for size in ("14M", "124M") for t in (128, 512)]
+    records.append(Record(method="dpvr-diff2-ghost", dataset="gpt2-14M-seq128/B=2/cpu",
+                          metrics={"skipped": "x"}))  # a method without a time draws nothing
+    path = tmp_path / "scale.png"
+    step.scale_plot(records, str(path))
+    assert path.stat().st_size > 10_000

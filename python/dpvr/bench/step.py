@@ -1,5 +1,6 @@
 """``dpvr bench step``: one full optimisation step, private and not, on small models (CPU or CUDA), and with
-``--scale`` on models of about 10^7 parameters (:data:`dpvr.bench.SCALE_CASES`).
+``--scale`` on models of about 10^7 parameters (:data:`dpvr.bench.SCALE_DEFAULT`); with ``--case``, also
+on GPT-2 small's shape, about 1.24 * 10^8 parameters (:data:`dpvr.bench.SCALE_CASES` lists them all).
 
 Cases (``--case``):
   mlp           784-256-128-1 MLP, squared loss, B = 512;
@@ -11,6 +12,18 @@ Cases (``--case``):
                 sequences of 32 tokens, B = 64;
   gpt2          a ``transformers`` GPT-2 (2 layers, width 64, 1000 tokens, tied head) classifying from its
                 last position, sequences of 64 tokens, B = 64.
+
+Scale cases (``--scale``, or one of them with ``--case``):
+  mlp-wide          784-4096-2048-10 MLP, cross-entropy, B = 256 (1.2 * 10^7 parameters);
+  resnet            a ResNet-style CNN (GroupNorm; widths 128, 256, 512, 512) on 3x32x32 inputs, 10 classes,
+                    B = 32 (9.9 * 10^6 parameters);
+  gpt2-1e7-t{T}     a GPT-2 (6 layers, width 384, 6 heads, 8192 tokens, tied head; 1.4 * 10^7 parameters)
+                    as the ``gpt2`` case, sequences of T = 128, 512 or 1024 tokens, B = 8;
+  gpt2-1e8-t{T}     GPT-2 small's shape (12 layers, width 768, 12 heads, 50257 tokens, tied head; 1.24 * 10^8
+                    parameters) as the ``gpt2`` case, T = 128 or 512, B = 2; only with ``--case``
+                    (not in the ``--scale`` default: :data:`dpvr.bench.SCALE_DEFAULT`).
+For each GPT-2 size run at several T, the exponents of time and memory in T are fitted
+(:func:`sequence_scaling`).
 
 Methods, all timed in one run with the rounds interleaved (see :func:`~.timing.interleaved_median_ms`); each
 private method updates its own copy of the model, so one method's state never feeds another's:
@@ -53,6 +66,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import re
 import time
 import traceback
 import warnings
@@ -123,7 +138,11 @@ class Recurrent(nn.Module):
 
 class Decoder(nn.Module):
     """A GPT-2 decoder from ``transformers`` (a config, random weights; Conv1D projections and the tied
-    language-model head), classifying a sequence from its last position's logits over ``classes`` tokens."""
+    language-model head), classifying a sequence from its last position's logits over ``classes`` tokens.
+
+    The position ids are passed explicitly, one row per record: left to ``transformers`` they are one row
+    broadcast over the batch, and per-sample gradients from hooks (Opacus') then see a position embedding
+    whose input has batch dimension 1."""
 
     def __init__(self, vocab: int = 1000, width: int = 64, layers: int = 2, length: int = 64,
                  classes: int = 2, heads: int = 4) -> None:
@@ -131,11 +150,14 @@ class Decoder(nn.Module):
         import transformers
 
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers,
-                                         n_head=heads, bos_token_id=0, eos_token_id=0, use_cache=False)
+                                         n_head=heads, bos_token_id=0, eos_token_id=0, use_cache=False,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         self.gpt2, self.classes = transformers.GPT2LMHeadModel(config), classes
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return self.gpt2(tokens).logits[:, -1, : self.classes]
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        return self.gpt2(tokens, position_ids=positions).logits[:, -1, : self.classes]
 
 
 class ResidualBlock(nn.Module):
@@ -245,12 +267,16 @@ def _make_case(name: str, batch: int | None) -> Case:
         b = batch or 32
         data = [(torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))) for _ in range(FRESH_BATCHES)]
         return Case("resnet-128-256-512-512-32x32", resnet(), data, cross_entropy, nn.CrossEntropyLoss())
-    if name.startswith("gpt2-1e7-t"):
-        length, b = int(name.removeprefix("gpt2-1e7-t")), batch or 8
-        data = [(torch.randint(0, 8192, (b, length)), torch.randint(0, 2, (b,)))
+    if name.startswith(("gpt2-1e7-t", "gpt2-1e8-t")):
+        length = int(name.removeprefix("gpt2-1e7-t").removeprefix("gpt2-1e8-t"))
+        if name.startswith("gpt2-1e7-t"):
+            label, b, vocab, width, layers = "gpt2-14M", batch or 8, 8192, 384, 6
+        else:  # GPT-2 small's shape (124.4M parameters with its 1024 positions; here ``length`` of them)
+            label, b, vocab, width, layers = "gpt2-124M", batch or 2, 50257, 768, 12
+        data = [(torch.randint(0, vocab, (b, length)), torch.randint(0, 2, (b,)))
                 for _ in range(FRESH_BATCHES)]
-        model = Decoder(vocab=8192, width=384, layers=6, length=length, heads=6)
-        return Case(f"gpt2-14M-seq{length}", model, data, cross_entropy, nn.CrossEntropyLoss())
+        model = Decoder(vocab=vocab, width=width, layers=layers, length=length, heads=layers)
+        return Case(f"{label}-seq{length}", model, data, cross_entropy, nn.CrossEntropyLoss())
     if name in ("lstm", "gpt2"):
         b = batch or 64
         length = 32 if name == "lstm" else 64
@@ -436,10 +462,27 @@ def _restarted(case: Case, **options: bool) -> _Dpvr:
     return dpvr_step
 
 
+def _too_large_to_materialise(case: Case) -> str | None:
+    """Why the per-sample gradients of ``case`` cannot be materialised here, or None: they hold
+    ``B x d`` numbers, and a method that forms them (Opacus' hooks, a materialised difference round) needs
+    two to three such blocks at once; past a third of the device's memory it would be killed, not timed."""
+    d = sum(p.numel() for p in case.model.parameters())
+    need = case.batch * d * next(case.model.parameters()).element_size()
+    if case.device.type == "cuda":
+        total = torch.cuda.mem_get_info(case.device)[1]
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 3 * need <= total:
+        return None
+    return (f"its per-sample gradients ({case.batch} x {d}) take {need / 2**30:.1f} GiB, more than a third "
+            f"of this device's {total / 2**30:.0f} GiB")
+
+
 def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
     """The step of every method on ``case`` (each on its own copy of the model, run once), and why each
-    method that has none has none (Opacus missing or refusing the model; a method failing on this device,
-    with its traceback printed: a finding to record, not a reason to lose the other methods' figures)."""
+    method that has none has none (Opacus missing or refusing the model; per-sample gradients too large
+    for this device; a method failing on this device, with its traceback printed: a finding to record, not
+    a reason to lose the other methods' figures)."""
     builders: dict[str, Callable[[], Callable[[], None] | str]] = {
         "non-private": lambda: _non_private(copy.deepcopy(case.model), case),
         "opacus-hooks-dp-sgd": lambda: _opacus_hooks(copy.deepcopy(case.model), case),
@@ -452,6 +495,11 @@ def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], dict[str, str]]
     }
     if case.name.startswith("mlp"):
         builders["dpvr-diff2-materialised"] = lambda: partial(_restarted(case).diff_round, materialised=True)
+    too_large = _too_large_to_materialise(case)
+    if too_large:
+        for name in ("opacus-hooks-dp-sgd", "dpvr-diff2-materialised"):
+            if name in builders:
+                builders[name] = partial(str, too_large)
     fns: dict[str, Callable[[], None]] = {}
     missing: dict[str, str] = {}
     for name, build in builders.items():
@@ -559,18 +607,66 @@ def plot(records: Sequence[Record], path: str) -> None:
     write_figure(path, fig, dpi=120)
 
 
+_SCALED = {
+    "non-private": ("non-private", "C7"),
+    "opacus-hooks-dp-sgd": ("Opacus hooks DP-SGD", "C3"),
+    "dpvr-dp-sgd-ghost": ("dpvr DP-SGD", "C0"),
+    "dpvr-make-private-dp-sgd": ("dpvr make_private DP-SGD", "C9"),
+    "dpvr-diff2-ghost": ("dpvr DIFF2 round", "C2"),
+}
+_GPT2_LABEL = re.compile(r"(gpt2-\d+M)-seq(\d+)/")
+
+
+def scale_plot(records: Sequence[Record], path: str) -> None:
+    """Time and peak memory of one step against the sequence length T (log-log), a line per library's step
+    and GPT-2 size (solid: the smaller model), from the records of the ``gpt2-1e*-t*`` cases."""
+    from matplotlib.figure import Figure
+
+    from ..results import write_figure
+
+    series: dict[tuple[str, str], list[tuple[int, float, float | None]]] = {}
+    for r in records:
+        match = _GPT2_LABEL.match(r.dataset)
+        if match and r.method in _SCALED and "ms" in r.metrics:
+            series.setdefault((match[1], r.method), []).append(
+                (int(match[2]), r.metrics["ms"], r.metrics.get("peak_mib")))
+    models = sorted({model for model, _ in series}, key=lambda m: int(m.removeprefix("gpt2-")[:-1]))
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for (model, method), points in sorted(series.items()):
+        points.sort()
+        name, color = _SCALED[method]
+        style = ["-", "--", ":"][models.index(model) % 3]
+        label = f"{name}, {model}"
+        axes[0].plot([t for t, _, _ in points], [ms / 1e3 for _, ms, _ in points], style, marker="o",
+                     color=color, label=label)
+        if all(peak is not None for _, _, peak in points):
+            axes[1].plot([t for t, _, _ in points], [peak for _, _, peak in points], style, marker="o",
+                         color=color, label=label)
+    for ax, title in zip(axes, ("time of one step (s)", "peak tensor memory of one step (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    write_figure(path, fig, dpi=120)
+
+
 def sequence_scaling(records: Sequence[Record]) -> list[tuple[str, float, float | None]]:
-    """Per method, the exponents of time and peak memory in the sequence length T fitted (least squares in
-    log-log) over the records of one model at several lengths (the ``gpt2-1e7-t*`` cases): ``ms ~ T^a``."""
+    """Per GPT-2 size and method, the exponents of time and peak memory in the sequence length T fitted (least
+    squares in log-log) over the records of that one model at several lengths (the ``gpt2-1e7-t*`` cases, and
+    apart from them the ``gpt2-1e8-t*`` ones): ``ms ~ T^a``. Each row is named ``method (model)``."""
     import numpy as np
 
-    by_method: dict[str, list[tuple[float, float, float | None]]] = {}
+    by_model: dict[tuple[str, str], list[tuple[float, float, float | None]]] = {}
     for r in records:
-        if r.dataset.startswith("gpt2-14M-seq") and "ms" in r.metrics:
-            length = float(r.dataset.split("/")[0].removeprefix("gpt2-14M-seq"))
-            by_method.setdefault(r.method, []).append((length, r.metrics["ms"], r.metrics.get("peak_mib")))
+        match = _GPT2_LABEL.match(r.dataset)
+        if match and "ms" in r.metrics:
+            by_model.setdefault((match[1], r.method), []).append(
+                (float(match[2]), r.metrics["ms"], r.metrics.get("peak_mib")))
     fits = []
-    for method, points in by_method.items():
+    for (model, method), points in by_model.items():
         if len({t for t, _, _ in points}) < 2:
             continue
         t = np.log([p[0] for p in points])
@@ -578,7 +674,7 @@ def sequence_scaling(records: Sequence[Record]) -> list[tuple[str, float, float 
         memory = [p[2] for p in points]
         memory_exponent = (float(np.polyfit(t, np.log(memory), 1)[0])
                            if all(m is not None and m > 0 for m in memory) else None)
-        fits.append((method, time_exponent, memory_exponent))
+        fits.append((f"{method} ({model})", time_exponent, memory_exponent))
     return fits
 
 
