@@ -378,3 +378,28 @@ def test_steps_no_sample_reads_are_left_out_on_the_host() -> None:
     assert read_steps(m, torch.randn(3, 5, 2))[0] is m  # every step read: the tensors themselves
     full = Outer([(m, n)])
     torch.testing.assert_close(Outer([(kept_m, kept_n)]).per_sample(), full.per_sample())
+
+
+def test_choices_from_the_sizes_ignore_the_steps_left_out() -> None:
+    """Which steps carry an output gradient depends on the values, so it may differ between the two points
+    of a difference; the materialisation choice must not (a layer materialised at one point only had its
+    recording dropped there, and the next difference failed)."""
+    from dpvr.grads.ghost.linear import LinearRule
+
+    rule = LinearRule(nn.Linear(4, 4), ("weight", "bias"))
+    x = torch.randn(3, 8, 4)
+    reads_last = torch.zeros(3, 8, 4)
+    reads_last[:, -1] = 1.0
+    sparse, dense = rule.weight([([x], [reads_last])]), rule.weight([([x], [torch.randn(3, 8, 4)])])
+    assert sparse.pieces[0][0].shape[1] == 1 and sparse.sizes() == dense.sizes() == (8, 4, 4)
+    assert sparse.worth_materialising() == dense.worth_materialising()
+
+
+def test_repeated_difference_rounds_on_a_classifier_from_the_last_position() -> None:
+    from dpvr.bench import step
+
+    case = step.make_case("gpt2", batch=4)
+    for options in ({}, {"reuse_recording": True}):
+        round_ = step._restarted(case, **options).diff_round
+        for _ in range(3):
+            round_()

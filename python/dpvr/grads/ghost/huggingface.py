@@ -17,4 +17,5 @@ from .rules import Outer, register_ghost_rule
 @register_ghost_rule(Conv1D)
 class Conv1DRule(LinearRule):
     def weight(self, pieces: Pieces) -> Outer:
-        return Outer([(n, m) for m, n in super().weight(pieces).pieces])
+        weight = super().weight(pieces)
+        return Outer([(n, m) for m, n in weight.pieces], weight.recorded_steps)

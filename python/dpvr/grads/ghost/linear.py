@@ -50,8 +50,10 @@ class LinearMapRule(GhostRule):
 
     def weight(self, pieces: Pieces) -> Outer:
         """The weight's part from pieces of inputs and output gradients (only the steps that carry any)."""
-        return Outer([read_steps(steps([self.activations(x) for x in xs]),
-                                 steps([self.output_grads(g) for g in gs])) for xs, gs in pieces])
+        recorded = [(steps([self.activations(x) for x in xs]), steps([self.output_grads(g) for g in gs]))
+                    for xs, gs in pieces]
+        m, _ = recorded[0]
+        return Outer([read_steps(m, n) for m, n in recorded], m.shape[1] if m.dim() == 3 else 1)
 
     def _parts(self, pieces: Pieces, bias: list[Tensor]) -> dict[str, Part]:
         g = steps([self.output_grads(g) for g in bias])

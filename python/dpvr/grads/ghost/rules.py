@@ -106,9 +106,13 @@ class LayerCall:
 @dataclass
 class Outer:
     """``u_i = sum_j sum_t N_j[i, t] M_j[i, t]^T``; ``pieces`` are ``(M_j, N_j)``, ``(B, T_j, p)`` and
-    ``(B, T_j, q)`` (or ``(B, p)``/``(B, q)``); the ``(q, p)`` matrix is reshaped to the parameter."""
+    ``(B, T_j, q)`` (or ``(B, p)``/``(B, q)``); the ``(q, p)`` matrix is reshaped to the parameter.
+    ``recorded_steps``: the first piece's steps as recorded, when steps that add nothing were left out
+    (:func:`~dpvr.grads.ghost.linear.read_steps`), so that choices made from the sizes depend on the
+    layer's shapes only, never on the values (the same at both points of a difference)."""
 
     pieces: list[tuple[Tensor, Tensor]]
+    recorded_steps: int | None = None
     by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
@@ -126,7 +130,8 @@ class Outer:
     def sizes(self) -> tuple[int, int, int]:
         """``(steps, p, q)``: the steps of one piece and the widths of the two sides."""
         m, n = self.pieces[0]
-        return (m.shape[1] if m.dim() == 3 else 1), m.shape[-1], n.shape[-1]
+        steps = self.recorded_steps or (m.shape[1] if m.dim() == 3 else 1)
+        return steps, m.shape[-1], n.shape[-1]
 
     def worth_materialising(self) -> bool:
         """Whether a sample's ``(q, p)`` matrix is no larger than the ``(T, p + q)`` recorded entries it comes
