@@ -102,7 +102,7 @@ def test_the_dro_task_is_long_tailed_nested_and_tested_on_balanced_data(offline)
         assert int(data.twin[1].sum()) == n // 10 and not np.allclose(data.twin[0][:5], x[:5])
     test_labels = small.test[1]
     assert 2 * int(test_labels.sum()) == len(test_labels) > 0  # balanced
-    assert all(len(data.validation[0]) == 100 for data in (small, large))  # half of the 200 validation records
+    assert all(len(data.validation[0]) == 100 for data in (small, large))  # half the 200 validation records
     rows = {tuple(r.tolist()) for r in large.train[0]}
     assert all(tuple(r.tolist()) in rows for r in small.train[0])  # nested
     raw = load_mnist1d(200, "train")
@@ -137,7 +137,8 @@ def test_tiny_run_end_to_end(offline, tmp_path):
         assert [row["n"] for row in found["rows"]] == [64, 128]
         assert set(found["exponent"]) == set(scaling.PAPERS[key.split("/")[0]])
     assert all("worst_class_accuracy" in r["metrics"] for r in doc["records"] if r["dataset"].endswith("_st"))
-    for name in ("scaling.json", "scaling.csv", "scaling-diff2.png", "scaling-privatediff.png", "scaling-dro.png"):
+    figures = [f"scaling-{paper}.png" for paper in scaling.PAPERS]
+    for name in ("scaling.json", "scaling.csv", *figures):
         assert (out / name).is_file()
     assert json.loads((out / "scaling.json").read_text())["experiment"] == "scaling"
     cells = sorted(os.listdir(out / "cells"))
