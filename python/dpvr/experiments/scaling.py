@@ -90,7 +90,7 @@ from torch import nn
 
 from ..data.dataset import Dataset
 from ..data.mnist1d import load_mnist1d
-from ..objectives import AUCMargin, AUCModel, WithEta, auc_score, divergence, dual_loss
+from ..objectives import AUCMargin, AUCModel, WithEta, auc_score, divergence, dual_loss, kl_compositional
 from ..objectives.dro import cross_entropy as indexed_cross_entropy
 from ..ops import NoiseGenerator, torch_threads
 from ..optim import (
@@ -274,7 +274,7 @@ def _objective(paper: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -
         return F.cross_entropy(model(x).double(), y)
     if paper == "dro":
         losses = F.cross_entropy(model(x).double(), y, reduction="none")
-        return DRO_LAM * (torch.logsumexp(losses / DRO_LAM, dim=0) - math.log(len(losses)))
+        return kl_compositional(losses, DRO_LAM, 0.0)  # the penalised objective: rho = 0
     alpha = _best_alpha(model, x, y)  # type: ignore[arg-type]
     return _PROBLEM.objective(model(x).double(), y, alpha)
 
@@ -353,9 +353,7 @@ def spider_schedule(protocol: Protocol, radii: dict[str, Any], n: int, model: nn
                     epsilon: float) -> tuple[int, dict[str, int]]:
     """Double-SPIDER's refresh period and batch sizes by DP-DRO Theorems 7 and 8, as ``make_private``
     derives them (:mod:`dpvr.trainer.defaults`)."""
-    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    public = Public(n=n, clients=1, dimension=d, epsilon=epsilon, delta=DELTA, steps=protocol.steps)
-    derived = derive("double-spider", {"clip": radii}, public)
+    derived = derive("double-spider", {"clip": radii}, _public(model, n, epsilon, protocol.steps))
     return int(derived["restart"].value), dict(derived["batch_sizes"].value)
 
 
@@ -365,9 +363,14 @@ def diff2_restart(protocol: Protocol, radii: dict[str, float], n: int, model: nn
     ``make_private`` derives it (:mod:`dpvr.trainer.defaults`; 1 makes DIFF2-GD DP-GD)."""
     if protocol.restart == "fraction":
         return max(2, round(RESTART_FRACTION * protocol.rounds))
-    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    public = Public(n=n, clients=1, dimension=d, epsilon=epsilon, delta=DELTA, steps=protocol.rounds)
+    public = _public(model, n, epsilon, protocol.rounds)
     return int(derive("diff2", {"clip": radii}, public)["restart"].value)
+
+
+def _public(model: nn.Module, n: int, epsilon: float, steps: int) -> Public:
+    """The public quantities a theorem's setting reads, for one client holding ``n`` records."""
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return Public(n=n, clients=1, dimension=d, epsilon=epsilon, delta=DELTA, steps=steps)
 
 
 def _train(
