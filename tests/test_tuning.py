@@ -58,7 +58,7 @@ def rdp_epsilon(event, delta=DELTA):
 def test_search_epsilon_is_dp_accountings_for_the_same_event(distribution, shape):
     steps, mean = 6, 4
     result = tune(builder(steps), [0.1, 1.0], epsilon=1.5, delta=DELTA, score=held_out_score,
-                  trials_mean=mean, distribution=distribution, shape=shape, seed=1)
+                  trials_mean=mean, distribution=distribution, shape=shape, seed=1, reproducible=True)
     z = result.noise["gradient"]
     # DP-GD under replace-one: dpvr's multiplier is relative to half the replace-one sensitivity.
     trial = dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(z / 2), steps)
@@ -79,7 +79,7 @@ def test_search_epsilon_is_dp_accountings_for_the_same_event(distribution, shape
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_tuned_run_never_exceeds_its_total_budget(distribution, seed):
     result = tune(builder(), [0.05, 0.5, 2.0], epsilon=1.0, delta=DELTA, score=held_out_score, trials_mean=3,
-                  distribution=distribution, seed=seed)
+                  distribution=distribution, seed=seed, reproducible=True)
     assert result.epsilon <= 1.0
     assert result.accountant.epsilon(DELTA) <= 1.0
     assert len(result.trials) == result.trials_drawn
@@ -92,14 +92,14 @@ def test_a_tuned_run_never_exceeds_its_total_budget(distribution, seed):
 def test_the_selection_picks_the_best_score():
     scores = {0.01: 0.3, 0.1: 0.9, 1.0: 0.5}
     result = tune(builder(steps=1), list(scores), epsilon=2.0, delta=DELTA, score=lambda a: scores[a.lr],
-                  trials_mean=20, distribution="negative-binomial", seed=3)
+                  trials_mean=20, distribution="negative-binomial", seed=3, reproducible=True)
     assert result.trials_drawn >= 2
     seen = {t.candidate for t in result.trials}
     assert result.best == max(seen, key=scores.get)
     assert result.score == scores[result.best]
     assert result.algorithm.lr == result.best
     lowest = tune(builder(steps=1), list(scores), epsilon=2.0, delta=DELTA, score=lambda a: scores[a.lr],
-                  trials_mean=20, maximize=False, seed=3)
+                  trials_mean=20, maximize=False, seed=3, reproducible=True)
     assert lowest.best == min({t.candidate for t in lowest.trials}, key=scores.get)
 
 
@@ -108,15 +108,16 @@ def test_a_diverged_trial_scores_worst_and_a_sampler_is_accepted():
         return math.nan if alg.lr > 1 else -alg.lr
 
     result = tune(builder(steps=1), lambda rng: float(rng.choice([0.5, 5.0])), epsilon=2.0, delta=DELTA,
-                  score=score, trials_mean=10, seed=0)
+                  score=score, trials_mean=10, seed=0, reproducible=True)
     assert {t.candidate for t in result.trials} == {0.5, 5.0}
     assert result.best == 0.5
 
 
 def test_a_private_score_is_noisy_and_charged_in_the_trial():
-    public = tune(builder(), [0.5], epsilon=2.0, delta=DELTA, score=held_out_score, trials_mean=3, seed=0)
+    public = tune(builder(), [0.5], epsilon=2.0, delta=DELTA, score=held_out_score, trials_mean=3, seed=0,
+                  reproducible=True)
     private = tune(builder(), [0.5], epsilon=2.0, delta=DELTA, score=held_out_score, trials_mean=3, seed=0,
-                   score_sensitivity=0.1, score_noise=20.0)
+                   reproducible=True, score_sensitivity=0.1, score_noise=20.0)
     assert private.epsilon <= 2.0
     assert private.noise["gradient"] > public.noise["gradient"]  # the score's release takes part of it
     assert all(t.score != held_out_score(public.algorithm) for t in private.trials)
@@ -152,13 +153,15 @@ def test_candidates_that_change_the_mechanism_are_refused():
         return builder(steps)(0.1, privacy)
 
     with pytest.raises(ValueError, match="changes what a trial releases"):
-        tune(build, [3, 6], epsilon=1.0, delta=DELTA, score=held_out_score, trials_mean=2, seed=0)
+        tune(build, [3, 6], epsilon=1.0, delta=DELTA, score=held_out_score, trials_mean=2, seed=0,
+             reproducible=True)
 
     def ignores_privacy(lr, privacy):
         return DPGD(torch.nn.Linear(3, 1).double(), logistic, X, Y, lr=lr, clip=1.0, steps=6, noise=1.0)
 
     with pytest.raises(ValueError, match="differs from the calibrated one"):
-        tune(ignores_privacy, [0.1], epsilon=1.0, delta=DELTA, score=held_out_score, trials_mean=2, seed=0)
+        tune(ignores_privacy, [0.1], epsilon=1.0, delta=DELTA, score=held_out_score, trials_mean=2, seed=0,
+             reproducible=True)
 
 
 @pytest.mark.parametrize("shape", [0.0, 0.5, 1.0, 3.0])
@@ -191,7 +194,8 @@ def _canary_runs(with_canary: bool, runs: int, epsilon: float) -> np.ndarray:
                         runtime=RuntimeConfig(generator=noise))
 
         result = tune(build, [4.0, 8.0], epsilon=epsilon, delta=DELTA, score=lambda a: 0.0, trials_mean=2,
-                      distribution="negative-binomial", seed=seed + (10**6 if with_canary else 0))
+                      distribution="negative-binomial", seed=seed + (10**6 if with_canary else 0),
+                      reproducible=True)
         outputs.append(result.algorithm.model.weight.item() / result.best)
     return np.array(outputs)
 

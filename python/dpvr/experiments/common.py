@@ -111,8 +111,8 @@ def private_search(
     returns the trial's algorithm, constructed with ``privacy=privacy``, and the experiment's record of it
     (a run with its curves); ``train`` runs the trial and fills that record; ``score`` rates it, and must read
     only the released model and data outside the private training split (a public or test split), which
-    makes it post-processing. ``seed`` fixes the number of trials and the draws, which the guarantee wants
-    secret: fine for a reproducible experiment, not for a deployment.
+    makes it post-processing. ``seed`` fixes the number of trials and the draws (``reproducible=True``), which
+    the guarantee wants secret: fine for a reproducible experiment, not for a deployment.
     """
     trials: dict[int, tuple[A, R]] = {}  # by the algorithm's id; it is kept alive so that ids stay unique
 
@@ -134,6 +134,7 @@ def private_search(
         maximize=maximize,
         privacy=privacy,
         seed=seed,
+        reproducible=True,
     )
     assert result.algorithm is not None, "a geometric number of trials is at least one"
     summary = result.to_dict()

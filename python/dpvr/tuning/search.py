@@ -24,6 +24,7 @@ from ..privacy import Accountant, calibrate, event_from_dict
 from ..privacy.backends import RDP
 from ..privacy.events import Plan, output_perturbation_multiplier
 from .independence import Independence
+from .randomness import SearchRandomness
 from .trials import TrialCount
 
 C = TypeVar("C")
@@ -137,6 +138,7 @@ def tune(
     score_noise: float | None = None,
     privacy: PrivacyConfig | None = None,
     seed: int | None = None,
+    reproducible: bool = False,
     constant_time: bool = False,
     max_trials: int | None = None,
 ) -> TuningResult[C]:
@@ -155,7 +157,7 @@ def tune(
       that closes over one model or caches one per candidate without touching the data. Nothing can check
       values a build *copies* from an earlier trial (warm starts): don't.
     - ``candidates``: a non-empty grid, drawn from uniformly, or ``sampler(rng) -> candidate``. Either way the
-      draw is independent of the data.
+      draw is independent of the data, and secret: ``rng`` is the search's candidate stream (see ``seed``).
     - ``score(algorithm)`` rates a finished trial (``maximize`` says which way). A run that diverges
       (:class:`~dpvr.optim.DivergedError`, or a non-finite score) scores worst: divergence is a property of
       the released iterates, and aborting the search on it would leak it.
@@ -176,8 +178,15 @@ def tune(
     - ``privacy``: the template of every trial's :class:`~dpvr.optim.PrivacyConfig` (neighbouring relation,
       stream shares, calibration); its ``epsilon`` and ``delta`` are the tuner's to set, and its accountant
       must be ``"rdp"``, the accountant with the search's analysis.
-    - ``seed`` fixes the draws of ``K``, of the candidates and of the score noise (for tests; the default
-      takes them from the operating system, which the guarantee needs: ``K`` must stay secret).
+    - ``seed`` and ``reproducible``: the draws of ``K``, of each trial's candidate and of the score noise
+      are secret by default, each from fresh operating-system entropy (:mod:`dpvr.tuning.randomness`): the
+      guarantee needs ``K`` and the score noise unknown to the observer, and a known sequence of candidates
+      would bound ``K`` from below through the released best one. A fixed ``seed`` derives all three (each
+      its own stream) and makes the search reproducible *and predictable* to whoever knows the seed: like
+      :class:`~dpvr.ops.NoiseGenerator`'s, it needs ``reproducible=True`` (tests, experiments that must be
+      replayed; the seed must then be kept secret like the data) and raises
+      :class:`~dpvr.ops.PredictableNoiseError` without it. For public candidates pass them as a grid,
+      drawn with any seed you like: the tuner picks among them secretly.
     - ``constant_time`` and ``max_trials``: the theorem needs ``K`` secret, and the search's wall time
       reveals it (about ``K`` times a trial's), to anyone who can time the search, unless
       ``constant_time=True``. Then every search runs exactly ``max_trials`` trials (a public cap), whatever
@@ -208,8 +217,8 @@ def tune(
     sensitivity bound that fails with probability ``beta`` fails in some trial with probability at most
     ``E[K] beta`` (a union bound), which is taken off ``delta``. What is released is the best trial's
     output alone (see :class:`TuningResult`); ``K`` is not, which the caller must keep so: the tuner draws it
-    from the operating system, keeps it out of :meth:`TuningResult.to_dict`, and hides it from the wall
-    time only with ``constant_time=True``.
+    from the operating system (from the seed only with ``reproducible=True``), keeps it out of
+    :meth:`TuningResult.to_dict`, and hides it from the wall time only with ``constant_time=True``.
 
     Returns a :class:`TuningResult`; its ``accountant`` holds the search as one release, so what a pipeline
     spends besides (a noisy preprocessing release, say) composes with it there.
@@ -236,9 +245,9 @@ def tune(
     truncation = 0.0 if cap is None else _truncation(count, epsilon, cap)
     template = _template(privacy)
     draw = _drawer(candidates)
-    rng = np.random.default_rng(seed)
+    randomness = SearchRandomness.make(seed, reproducible=reproducible)
 
-    probes = list(candidates) if not callable(candidates) else [draw(rng)]
+    probes = list(candidates) if not callable(candidates) else [draw(randomness.candidates)]
     plan = _plan_of(build, probes, dataclasses.replace(template, epsilon=epsilon, delta=delta))
     trial_delta = delta - count.mean * _failure(plan) - truncation
     if trial_delta <= 0:
@@ -256,13 +265,13 @@ def tune(
     trial_privacy = dataclasses.replace(template, epsilon=run_epsilon, delta=delta)
     per_trial_epsilon = epsilon_of(trial.event, delta - trial.failure_probability, trial.neighbouring)
     sign = 1.0 if maximize else -1.0
-    drawn = count.draw(rng)
+    drawn = count.draw(randomness.count)
     trials: list[Trial[C]] = []
     best: tuple[float, int, PrivateAlgorithm] | None = None  # (signed score, trial index, its run)
     independence = Independence()
     # A constant-time search runs the cap whatever K is; trials past K are padding (same work, dropped).
     for index in range(drawn if cap is None else cap):
-        candidate = draw(rng)
+        candidate = draw(randomness.candidates)
         algorithm = build(candidate, trial_privacy)
         _check_trial(algorithm, trial)
         started = independence.admit(algorithm, f"trial {index + 1}")
@@ -270,7 +279,7 @@ def tune(
         _check_releases(algorithm, trial)
         independence.finish(started)
         if score_noise is not None and math.isfinite(value):
-            value += float(rng.normal(0.0, score_noise * score_sensitivity))
+            value += float(randomness.score_noise.normal(0.0, score_noise * score_sensitivity))
         if index >= drawn:
             continue
         trials.append(Trial(candidate, value))
@@ -289,6 +298,11 @@ def tune(
             f"first min(K, {cap}) only is charged (1 + e^epsilon) P(K > {cap}) in delta"
         )
     accountant.assume("the number of trials and every trial but the best stay secret")
+    if randomness.seed is not None:
+        accountant.assume(
+            "the search's seed stays secret: it fixes the number of trials, the candidates and the score "
+            "noise"
+        )
     chosen = None if best is None else trials[best[1]]
     return TuningResult(
         best=None if chosen is None else chosen.candidate,
