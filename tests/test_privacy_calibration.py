@@ -27,7 +27,8 @@ ROUND_TRIP = [
     DPSGDAPlan(dataset_size=50_000, batch_size=500, steps=3000),
     PrivateDiffPlan(dataset_size=30_000, batch_size=300, steps=500, restart=5, y_steps=3),
     DoubleSpiderPlan(60_000, 10_000, 100, (6000, 256, 6000, 256), "poisson", "add-remove"),
-    RecursiveSpiderPlan(60_000, 2_000, 50, (60_000, 128, 60_000, 128), "poisson", "add-remove"),
+    RecursiveSpiderPlan(60_000, 2_000, 50, (6000, 128, 6000, 128), "poisson", "add-remove"),
+    RecursiveSpiderPlan(60_000, 2_000, 50, (60_000, 128, 60_000, 128)),  # full batches: replace-one
     PhasedPlan("sc-sc"),
     CyclicDPSGDPlan(
         10_000, 10, 50_000, lr=1e-3, clip=1.0, weak_convexity=1.0, smoothness=1.0, clipping=False
@@ -76,7 +77,7 @@ def test_pld_reaches_epsilons_below_the_rdp_floor():
 
 
 def test_shares_are_what_the_report_shows():
-    plan = DoubleSpiderPlan(60_000, 10_000, 100, (6000, 256, 60_000, 256), "poisson", "add-remove")
+    plan = DoubleSpiderPlan(60_000, 10_000, 100, (6000, 256, 30_000, 256), "poisson", "add-remove")
     shares = {"eta-refresh": 1, "eta-difference": 2, "x-refresh": 3, "x-difference": 4}
     report = account(plan(calibrate(plan, 2.0, 1e-5, shares=shares)), 1e-5)
     assert report.shares == pytest.approx({k: v / 10 for k, v in shares.items()}, abs=0.01)

@@ -254,3 +254,80 @@ def test_spend_curves_end_at_the_runs_epsilon_and_plot_for_every_command(capsys,
     _run(capsys, f"calibrate diff2 --dataset-size 1000 --clients 2 --steps 40 --restart 4 --epsilon 2 "
                  f"--delta 1e-5 --plot {png}")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- a full batch under add/remove: refused, on the command line as in the library -----------------------
+# Each is a run whose releases include a full-batch mean divided by the data's own size (DIFF2's server
+# rounds; DP-GD; a SPIDER stream whose batch is the dataset; DP-SGDA's full batch; PrivateDiff's output y,
+# whose sensitivity shrinks with n). Under add/remove n is private, so the mean moves by up to 2C/(n+1), not
+# the C/n such a plan would price: before the refusal, DIFF2's example below printed epsilon 2.94 under
+# add-remove where the same rounds cost 6.57 under replace-one.
+FULL_BATCH_RUNS = {
+    "diff2": "diff2 --dataset-size 10000 --clients 1 --steps 50 --restart 5",
+    "diff2-bvr": "diff2 --dataset-size 1000 --clients 2 --steps 10 --restart 5 --local-steps 2 "
+    "--local-batch 10",
+    "dp-sgd": "dp-sgd --sampling full --steps 10",
+    "dp-gd": "dp-gd --steps 10",
+    "double-spider": "double-spider --dataset-size 1000 --steps 10 --restart 5 --batch-sizes 1000,64,1000,64 "
+    "--sampling poisson",
+    "recursive-spider": "recursive-spider --dataset-size 1000 --steps 10 --restart 5 "
+    "--batch-sizes 64,64,1000,64 --sampling poisson",
+    "dp-sgda": "dp-sgda --dataset-size 100 --batch-size 100 --steps 10 --sampling full",
+    "private-diff": "private-diff --dataset-size 1000 --batch-size 10 --steps 10 --restart 2 "
+    "--sampling poisson --y-release output",
+}
+FULL_BATCH_NOISE = {
+    "diff2": "--sigma1 1e-3 --sigma2 1e-3",
+    "diff2-bvr": "--sigma1 1e-3 --sigma2 1e-3 --sigma3 1",
+    "dp-sgd": "--noise-multiplier 1",
+    "dp-gd": "--noise-multiplier 1",
+    "double-spider": "--noise-multipliers 1,1,1,1",
+    "recursive-spider": "--noise-multipliers 1,1,1,1,1",
+    "dp-sgda": "--sigma-x 0.1 --sigma-y 0.1",
+    "private-diff": "--sigma-x1 0.1 --sigma-x2 0.1 --sigma-y 0.1",
+}
+
+
+@pytest.mark.parametrize("command", ["account", "calibrate"])
+@pytest.mark.parametrize("run", sorted(FULL_BATCH_RUNS))
+def test_a_full_batch_plan_refuses_add_remove_on_the_command_line(capsys, command, run):
+    tail = FULL_BATCH_NOISE[run] if command == "account" else "--epsilon 2"
+    line = f"{command} {FULL_BATCH_RUNS[run]} {tail} --delta 1e-5"
+    priced = _json(capsys, line + " --neighbouring replace-one")  # what the same run costs where n is public
+    assert priced["neighbouring"] == "replace-one"
+    from dpvr.cli import main
+
+    assert main((line + " --neighbouring add-remove").split()) == 2
+    err = capsys.readouterr().err
+    assert f"dpvr {command}: error: neighbouring='add-remove'" in err and "'replace-one'" in err
+    assert "size" in err and "private" in err
+
+
+def test_diff2s_add_remove_price_was_below_its_replace_one_price():
+    """The mechanism the command line used to price (a mean over a public n, sensitivity C/(nP)) against the
+    one DIFF2 runs: replace-one is what the library's shard-size divisor costs, and the refused relation
+    would have printed less than half of it."""
+    from dpvr.privacy.mechanism import Mechanism
+
+    plan = DIFF2Plan(10_000, 1, 50, 5)
+    noise = {s: plan.noise_multiplier(1e-3, s) for s in plan.streams}
+    replace_one = account(plan(noise), 1e-5, accountant="pld").epsilon
+    assert replace_one == pytest.approx(6.573, abs=1e-3)
+    unsound = account(Mechanism(plan(noise).streams, "add-remove"), 1e-5, accountant="pld").epsilon
+    assert unsound == pytest.approx(2.94, abs=0.01)
+    with pytest.raises(ValueError, match="neighbouring='add-remove'.*'restart', 'difference'"):
+        DIFF2Plan(10_000, 1, 50, 5, neighbouring="add-remove")
+
+
+def test_sampled_streams_keep_add_remove():
+    """The refusal is of a full batch, not of add/remove: the same algorithms with every batch sampled at a
+    stated (public) size are still priced under add/remove."""
+    for line in (
+        "account double-spider --dataset-size 1000 --steps 10 --restart 5 --batch-sizes 64,64,64,64 "
+        "--sampling poisson --noise-multipliers 1,1,1,1",
+        "account dp-sgda --dataset-size 1000 --batch-size 10 --steps 10 --sampling poisson --sigma-x 0.1 "
+        "--sigma-y 0.1",
+        "account dp-sgd --sample-rate 0.01 --steps 10 --noise-multiplier 1",
+    ):
+        args = _parse(line + " --delta 1e-5 --neighbouring add-remove --json")
+        assert args.run(args) == 0

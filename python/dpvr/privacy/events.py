@@ -176,11 +176,40 @@ class Plan:
     def mechanism(self, noise: Noise) -> Mechanism:
         """The whole run with the given noise multipliers."""
         noise = noise_dict(self.streams, noise)
-        return Mechanism(
-            tuple(self._streams(noise)), self.neighbouring, self._assumptions(), self._failure_probability()
-        )
+        streams = tuple(self._streams(noise))
+        self._refuse_private_size(streams)  # again here, for plans defined outside dpvr
+        return Mechanism(streams, self.neighbouring, self._assumptions(), self._failure_probability())
 
     __call__ = mechanism
+
+    def _normalised_by_size(self, stream: Stream) -> bool:
+        """Whether a release of ``stream`` reads the dataset size: a full-batch mean divides by it (and its
+        noise std is set on that mean), and an output perturbation of a solution over all records has a
+        sensitivity that shrinks with it. A plan whose full-batch stream does not read the size overrides
+        this; the last-iterate bounds' RDP curves (``zcdp_unit``) are priced as a whole, not as batches."""
+        return stream.sampling.scheme == "full" and stream.zcdp_unit is None
+
+    def _refuse_private_size(self, streams: tuple[Stream, ...] | None = None) -> None:
+        """Refuses add/remove adjacency for a plan with a release that reads the dataset size.
+
+        Under add/remove the size is private: a neighbour has one record more or less, so a mean divided by
+        the data's own size moves by up to ``2C/(n + 1)`` (its record's ``C/(n + 1)`` and every other
+        record's share shrinking), not the ``C/n`` the relation prices, and a noise std set on that mean
+        differs between neighbours. Such a plan is accounted under replace-one only, where the size is
+        public by definition (or drawn by a sampled scheme at a rate of a public size)."""
+        if self.neighbouring != ADD_REMOVE:
+            return
+        if streams is None:
+            streams = tuple(self._streams(dict.fromkeys(self.stream_names, 1.0)))
+        sized = [s.name for s in streams if self._normalised_by_size(s)]
+        if sized:
+            raise ValueError(
+                f"neighbouring='add-remove': {type(self).__name__}'s stream(s) {sized} read the whole "
+                "dataset and are normalised by its size, which add/remove adjacency makes private (adding a "
+                "record moves such a mean by up to 2C/(n+1), not the C/n priced, and changes its noise "
+                "std); use neighbouring='replace-one', where the size is public by definition, or a sampled "
+                "scheme (e.g. sampling='poisson') where the algorithm has one"
+            )
 
     def step(self, name: str, noise: Noise) -> tuple[dict[str, float], dpa.DpEvent]:
         """``(attribution, event)`` of one release of stream ``name``, for ``Accountant.record``."""
@@ -265,6 +294,7 @@ class DPSGDPlan(Plan):
         if self.neighbouring is None:
             object.__setattr__(self, "neighbouring", self.default_neighbouring(self.sampling))
         _check_relation(self.neighbouring, self.batch_sampling)
+        self._refuse_private_size()
 
     @classmethod
     def default_neighbouring(cls, sampling: str | None = None) -> str:
@@ -310,7 +340,8 @@ class DIFF2Plan(Plan):
       rounds: ``(K - 1) ceil(R/P)`` releases (Proposition E.2 counts ``K ceil(R/P)``).
 
     Guarantee: adaptive composition of these Gaussian releases (Lemma C.1, Lemma E.1 and Proposition 4.1 /
-    E.2 of the paper), conditioned on released iterates.
+    E.2 of the paper), conditioned on released iterates. Replace-one only: the server rounds are full-batch
+    means divided by the shard sizes, which add/remove adjacency makes private (refused).
     """
 
     _all_streams: ClassVar = ("restart", "difference", "local")
@@ -331,8 +362,10 @@ class DIFF2Plan(Plan):
         _checks.count("local_steps", self.local_steps, minimum=1)
         if self.local_steps > 1:
             _checks.count("local_batch", self.local_batch, minimum=1)
-            _check_relation(self.neighbouring, self.local_sampling)
         check_neighbouring(self.neighbouring)
+        self._refuse_private_size()  # first: the server rounds refuse add/remove whatever the local steps
+        if self.local_steps > 1:
+            _check_relation(self.neighbouring, self.local_sampling)
 
     @property
     def restarts(self) -> int:
@@ -447,6 +480,7 @@ class DPSGDAPlan(Plan):
     def __post_init__(self) -> None:
         _checks.count("steps", self.steps)
         _check_relation(self.neighbouring, self.batch_sampling)
+        self._refuse_private_size()
 
     @property
     def batch_sampling(self) -> Sampling:
@@ -521,6 +555,7 @@ class PrivateDiffPlan(Plan):
         if self.y_release not in ("ascent", "output"):
             raise ValueError(f"y_release must be 'ascent' or 'output', got {self.y_release!r}")
         _check_relation(self.neighbouring, self.batch_sampling)
+        self._refuse_private_size()
 
     @property
     def batch_sampling(self) -> Sampling:
@@ -593,7 +628,8 @@ class PrivateDiffPlan(Plan):
 class _SpiderPlan(Plan):
     """Refresh-every-``q`` SPIDER estimators with one noise stream per estimator and per phase.
 
-    ``restart`` is ``q``, the period of the refresh steps (``t mod q = 0``); ``steps`` is ``T``.
+    ``restart`` is ``q``, the period of the refresh steps (``t mod q = 0``); ``steps`` is ``T``. A stream
+    whose batch is the whole dataset is a full-batch mean divided by ``n``: replace-one only.
 
     ``batch_sizes`` maps each stream of the layout to its batch size; a sequence is read in the paper's order
     (``N1..N4`` / ``b1..b4``) and stored keyed by stream name, so a stream with no releases (``q = 1`` has no
@@ -616,6 +652,7 @@ class _SpiderPlan(Plan):
         _checks.count("restart", self.restart, minimum=1)
         object.__setattr__(self, "batch_sizes", self._keyed(self.batch_sizes))
         _check_relation(self.neighbouring, *(self._sampling(b) for _, b in self.batch_sizes))
+        self._refuse_private_size()
 
     def _keyed(self, given: Mapping[str, int] | tuple[int, ...]) -> tuple[tuple[str, int], ...]:
         names = [name for name, _ in self._layout if name not in self._fixed_batches]
