@@ -134,20 +134,23 @@ class Journal:
     """An append-only file of JSON lines, each on disk before :meth:`append` returns: a write-ahead log.
 
     What the entries mean is the owner's business; this class only makes them durable and reads them
-    back. A missing file is an empty journal.
+    back. A missing file is an empty journal. A ``private`` journal's file, whenever this class creates
+    it, is readable and writable by its owner only (an existing file keeps its mode).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, private: bool = False) -> None:
         self.path = os.fspath(path)
+        self.private = private
 
     def clear(self) -> None:
         """Empties the journal (atomically: a crash leaves the old entries or none)."""
-        atomic_write(self.path, b"")
+        atomic_write(self.path, b"", private=self.private)
 
     def append(self, entry: Mapping[str, Any]) -> None:
         """Appends ``entry`` as one line and flushes it (and the directory, if this created the file)."""
         created = not os.path.exists(self.path)
-        with open(self.path, "ab") as f:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600 if self.private else 0o666)
+        with os.fdopen(fd, "ab") as f:
             f.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())

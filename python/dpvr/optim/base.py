@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -85,14 +84,18 @@ class PrivateAlgorithm(Guarded):
       the steps that then re-run released steps are charged again as they run;
     - a re-run is a new segment of the run: its noise keys and its batches are fresh (the sampling
       randomness of the branch it repeats is not reused: the two branches are then independently sampled
-      mechanisms, which is what composing their charges assumes);
+      mechanisms, which is what composing their charges assumes); in a reproducible run the re-run's
+      sampler seeds are keyed by the noise seed, so the ledger (which names the segment) does not predict
+      its batches;
+    - a state held only in memory (:meth:`state_dict`, taken before the run had a ledger file) is charged
+      from the ledgers that made the run's releases while the algorithm object holding them is alive in
+      this process (this object or another); otherwise what the run released after it cannot be known,
+      and the state is refused (:class:`~dpvr.optim.ledger.LedgerError`): resume from checkpoint files;
     - noise cannot be reused by construction: the generator is bound to a digest of the binding, every key
       also depends on the release's ledger entry (never repeated in a run) and, on the host, on a digest
       of the signal the noise is added to.
 
-    Not protected: a state held only in memory (never written by :meth:`save_checkpoint`) and loaded into
-    another algorithm object cannot see what that object's run released after it; resume from checkpoint
-    files. A state holds the noise seed: keep it as confidential as the data.
+    A state holds the noise seed: keep it as confidential as the data.
     """
 
     name = "private-algorithm"
@@ -321,7 +324,9 @@ class PrivateAlgorithm(Guarded):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict`; validates it fully before changing anything, then charges what the
         run released after it (see the class documentation: from the run's ledger file when the run has
-        one, else from this object's own releases if it is the same run)."""
+        one, else from the releases of the objects that made them, if they are alive in this process; a
+        state whose later releases cannot be known is refused with
+        :class:`~dpvr.optim.ledger.LedgerError`)."""
         self._check_state(state)
         self._resume(state, self.guard.ledger_of(state["ledger"]))
 
@@ -357,14 +362,14 @@ class PrivateAlgorithm(Guarded):
         cannot be known), makes what follows a re-run: a new segment with fresh sampling randomness."""
         after = ledger.releases_after(ledger.seq)  # a foreign or unreadable ledger raises: nothing changed
         self._check_rerun(after)
-        rerun = bool(after) or not (self.guard.knows(ledger) or self.generator.reproducible)
+        rerun = bool(after)  # the ledger holds every release after the state (ledger_of refuses otherwise)
         self._restore(state)
         seed = self.generator.seed if self.generator.reproducible else None
         self.guard.resume(ledger, after, rerun=rerun, seed=seed)
         if rerun:
+            # A reproducible re-run's batches are keyed by the noise seed, never by what the ledger shows.
             for k, sampler in enumerate(self._samplers()):
-                derived = hashlib.sha256(f"{ledger.segment}/{k}".encode()).digest()[:8]
-                sampler.restart(None if seed is None else int.from_bytes(derived, "little"))
+                sampler.restart(None if seed is None else ledger.sampler_seed(seed, k))
 
     def _check_rerun(self, after: list[Release]) -> None:
         """Refuses (``ValueError``) to go on from a state after which the run made the releases ``after``,

@@ -218,19 +218,15 @@ class PrivacyGuard:
             self.released = dict(counts)
 
     def ledger_of(self, position: Mapping[str, Any], checkpoint: Any = None) -> RunLedger:
-        """The ledger of the run a state at ``position`` belongs to, as far as it can be found: its file
-        (named in the state, or beside ``checkpoint``), else this guard's own ledger if it is the same run,
-        else only the state's position in it."""
+        """The ledger of the run a state at ``position`` belongs to, with every release the run made after
+        it: its file (named in the state, or beside ``checkpoint``), else, for a state taken in memory
+        before the run had a file, the lineage of ledgers that made its releases, if it is alive in this
+        process (this guard's own, or another algorithm object's). Raises
+        :class:`~dpvr.optim.ledger.LedgerError` if neither can be found, changing nothing: such a state's
+        later releases cannot be charged (it names the way that does: checkpoint files)."""
         if position.get("path") is not None or checkpoint is not None:
             return RunLedger.of_checkpoint(position, checkpoint or position["path"])
-        ledger = RunLedger.at(position)
-        if ledger.run == self.ledger.run:
-            ledger.adopt(self.ledger)
-        return ledger
-
-    def knows(self, ledger: RunLedger) -> bool:
-        """Whether every release of ``ledger``'s run can be known here (it has a file, or is this run)."""
-        return ledger.path is not None or ledger.run == self.ledger.run
+        return RunLedger.of_state(position)
 
     def resume(self, ledger: RunLedger, after: list[Release], *, rerun: bool, seed: int | None) -> None:
         """Charges the releases ``after`` a loaded state (once per segment and stream in parallel mode),

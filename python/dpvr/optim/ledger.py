@@ -21,6 +21,16 @@ allocation (random allocation's epochs, the last-iterate bound of one trajectory
 
 A ledger is bound to one process at a time: two processes resuming the same run at once would each miss
 the other's releases.
+
+Before the run has a file, what it released is known only to the chain of ledger objects that made the
+releases (its *lineage*: the ledger an algorithm object was born with, and every ledger that took over from
+it on an in-memory resume). A state taken in memory names its lineage; it can be charged exactly only while
+that lineage is alive in this process (:meth:`RunLedger.of_state`), and is refused otherwise.
+
+The file is readable and writable by its owner only (0600), like a checkpoint: it is created so, and a file
+of the run found with a looser mode (written by an older version, or copied) is made so when the ledger
+opens it, or refused if that fails. Nothing in it is secret on its own (no seed is written), but the run's
+shape and history are the data holder's business.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +88,44 @@ class Release:
 
 
 class LedgerError(ValueError):
-    """A run's ledger is missing, unreadable or of another run: the releases after a checkpoint cannot be
-    charged, so the run cannot resume from it."""
+    """A run's ledger is missing, unreadable, of another run or not known here: the releases after a
+    checkpoint (or an in-memory state) cannot be charged, so the run cannot resume from it."""
+
+
+class _Lineage:
+    """What one chain of ledger objects knows of its run: the releases it made while the run had no file,
+    and the file once it has one. Registered (weakly) under a random token, which states name."""
+
+    __slots__ = ("__weakref__", "file", "memory", "run", "token")
+
+    def __init__(self, run: str) -> None:
+        self.run, self.token = run, secrets.token_hex(16)
+        self.memory: list[Release] = []
+        self.file: Journal | None = None
+        _LINEAGES[self.token] = self
+
+
+# The lineages alive in this process, by token: an in-memory state is charged from its lineage's releases
+# while that lineage is alive (some algorithm object holds it); once it is gone they cannot be known.
+_LINEAGES: weakref.WeakValueDictionary[str, _Lineage] = weakref.WeakValueDictionary()
+
+
+def _ledger_journal(path: str) -> Journal:
+    """The run ledger's file at ``path``, owner-only: created so, and a looser existing file tightened."""
+    journal = Journal(path, private=True)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return journal
+    if mode & 0o077:
+        try:
+            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        except OSError as err:
+            raise LedgerError(
+                f"run ledger {path!r}: readable by others (mode {mode:o}) and cannot be made owner-only "
+                f"({err.strerror}); the run ledger is kept owner-only, like its checkpoints"
+            ) from None
+    return journal
 
 
 class RunLedger:
@@ -93,8 +141,15 @@ class RunLedger:
         self.segment = segment if segment is not None else secrets.token_hex(8)
         self.seq = seq
         self.branched = branched  # some releases of the run were re-run: its releases are no longer one line
-        self._memory: list[Release] = []
-        self._file: Journal | None = None
+        self._lineage = _Lineage(self.run)
+
+    @property
+    def _file(self) -> Journal | None:
+        return self._lineage.file
+
+    @property
+    def _memory(self) -> list[Release]:
+        return self._lineage.memory
 
     @property
     def path(self) -> str | None:
@@ -114,9 +169,9 @@ class RunLedger:
         return release
 
     def adopt(self, other: RunLedger) -> None:
-        """Shares ``other``'s knowledge of the run (an in-memory resume of the same run): its file and the
-        releases it saw."""
-        self._file, self._memory = other._file, other._memory
+        """Takes over ``other``'s knowledge of the run (an in-memory resume of the same run): its lineage,
+        with its file and the releases it saw."""
+        self._lineage = other._lineage
 
     def noise_context(self) -> bytes:
         """What every noise key of the next release is derived from besides the signal: the run, its
@@ -129,26 +184,27 @@ class RunLedger:
         if self._file is not None:
             return
         directory = os.path.dirname(os.path.abspath(checkpoint))
-        journal = Journal(os.path.join(directory, f"{LEDGER_PREFIX}{self.run}{LEDGER_SUFFIX}"))
+        journal = _ledger_journal(os.path.join(directory, f"{LEDGER_PREFIX}{self.run}{LEDGER_SUFFIX}"))
         for entry in journal.entries():  # a file of this run already (a resume that had none in state)
             _check_run(entry, self.run, journal.path)
         if not os.path.exists(journal.path):
             journal.clear()  # the file every checkpoint will name exists from the first one on
-        self._file = journal
+        self._lineage.file = journal
 
     def detach(self) -> None:
         """Stops writing to the file: in a data-parallel run every process numbers the same releases, and
         one process (rank 0) writes them down."""
-        self._file = None
+        self._lineage.file = None
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the ledger: the run, segment, sequence number and file."""
+        """What a checkpoint keeps of the ledger: the run, segment, sequence number, file and lineage."""
         return {
             "run": self.run,
             "segment": self.segment,
             "seq": self.seq,
             "branched": self.branched,
             "path": self.path,
+            "lineage": self._lineage.token,
         }
 
     def releases_after(self, seq: int) -> list[Release]:
@@ -186,13 +242,42 @@ class RunLedger:
         beside = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), os.path.basename(named))
         for candidate in (named, beside):
             if os.path.exists(candidate):
-                ledger._file = Journal(candidate)
+                ledger._lineage.file = _ledger_journal(candidate)
                 return ledger
         raise LedgerError(
             f"checkpoint {os.fspath(checkpoint)!r}: its run ledger {named!r} is missing (not there, nor "
             "beside the checkpoint); the releases the run made after this checkpoint cannot be charged, so "
             "it cannot resume from it. Keep the ledger file with the run's checkpoints."
         )
+
+    @classmethod
+    def of_state(cls, state: Mapping[str, Any]) -> RunLedger:
+        """The ledger of the run an in-memory state (no file named) was taken in: standing where ``state``
+        says, with the lineage that made the run's releases, which must be alive in this process (an
+        algorithm object holds it). Otherwise what the run released after the state cannot be known:
+        :class:`LedgerError`, naming the way that charges it (checkpoint files)."""
+        lineage = _LINEAGES.get(str(state.get("lineage")))
+        if lineage is None or lineage.run != str(state["run"]):
+            raise LedgerError(
+                f"state: taken in memory (state_dict) by a run that had no ledger file yet, and the object "
+                f"that made its releases is not in this process any more, so what run {state['run']!r} "
+                "released after this state cannot be known and charged. Resume from files instead: "
+                "save_checkpoint, then load_checkpoint (the ledger file beside the checkpoint charges every "
+                "release made after it)"
+            )
+        ledger = cls.at(state)
+        ledger._lineage = lineage
+        return ledger
+
+    def sampler_seed(self, secret: int, k: int) -> int:
+        """The seed of an algorithm's ``k``-th sampler in this segment of a reproducible run: keyed by
+        ``secret`` (the noise generator's seed, which no ledger line shows), so that a re-run's batches
+        are reproducible by whoever holds the seed (every process of a data-parallel run) and by nobody
+        who reads only the ledger."""
+        key = int(secret).to_bytes(8, "little")
+        message = f"{self.run}/{self.segment}/{k}".encode()
+        mac = hashlib.blake2b(message, key=key, digest_size=8, person=b"dpvr-sampler")
+        return int.from_bytes(mac.digest(), "little")
 
     def resumed(self, rerun: bool, seed: int | None = None) -> None:
         """Continues numbering after the ledger's last release; a re-run starts a new segment (random, or

@@ -633,7 +633,7 @@ class PhasedOutputPerturbation(Guarded):
         self.accountant.load_state_dict(state["accountant"])
         self.generator.load_state_dict(state["generator"])
         self.generator.bind(digest(self._binding))
-        rerun = bool(after) or not (self.guard.knows(ledger) or self.generator.reproducible)
+        rerun = bool(after)  # ledger_of found every release after the state (or refused it)
         charged = PrivacyGuard.parse_counts(state, parallel=True)
         self.guard.install(self.accountant, self.generator, ledger, charged)
         # one charge per branch and stream: parallel composition over its phases
