@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -54,6 +55,20 @@ def clipped_mean(
     for t in out:
         t.div_(len(inputs) if size is None else size)
     return dropped
+
+
+def choice_generator(seed: int | None, label: str) -> np.random.Generator:
+    """The generator of one kind of random choice (``label``, e.g. ``"diff2/output-round"``), independent of
+    every other random stream of the run.
+
+    ``seed`` ``None``: fresh entropy from the operating system. Otherwise the stream is derived from ``seed``
+    *and* the label (a SHA-256 of it as numpy's ``SeedSequence`` spawn key), so it shares no state with a
+    sampler seeded with ``seed`` or ``seed + k`` (``RuntimeConfig.sampler_seed_for``): a choice drawn from the
+    sampler's own seed would be a function of the batches that sampler draws."""
+    if seed is None:
+        return np.random.default_rng()
+    words = np.frombuffer(hashlib.sha256(label.encode()).digest(), dtype=np.uint32)
+    return np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=tuple(int(w) for w in words)))
 
 
 @runtime_checkable
@@ -199,7 +214,8 @@ class DIFF2(PrivateAlgorithm):
             recomputes, saving the memory of one recording and one copy of the parameters per client.
 
     Raises:
-        ValueError: no clients, or a client with empty or mismatched inputs and targets; an unknown
+        ValueError: ``privacy.neighbouring="add-remove"`` (the shard sizes divide the means: replace-one
+            only); no clients, or a client with empty or mismatched inputs and targets; an unknown
             ``routine``; ``local_steps != 1`` with ``"gd"``; ``"bvr-l-sgd"`` without ``local_steps >= 2`` and
             ``local_batch``; an ``output`` other than ``"last"``, or ``"random"`` with ``"bvr-l-sgd"``;
             ``optimizer`` with ``"bvr-l-sgd"``; a bad ``lr``; ``clip`` without exactly the routine's streams,
@@ -213,7 +229,9 @@ class DIFF2(PrivateAlgorithm):
         release with a fixed noise multiplier (``sigma * n * P`` for server rounds, ``sigma3 * b`` for local
         steps, ``sigma`` the paper's noise on the averaged mean). All streams are recorded in one accountant
         as they happen, behind the budget guard. Each client's mean divides by its shard size: public under
-        replace-one, the only relation DIFF2 is accounted under.
+        replace-one, the only relation DIFF2 is accounted under (``privacy.neighbouring="add-remove"`` is
+        refused). The output round (``output="random"``) is drawn from a stream of its own, independent of
+        every sampler's (:func:`choice_generator`).
     """
 
     name = "DIFF2"
@@ -269,7 +287,12 @@ class DIFF2(PrivateAlgorithm):
         self.clip = stream_clips(clip, ("restart", "difference", *local))
         if not remote:
             check_loss(model, loss_fn, *clients[0].probe(1))
-        plan = events.DIFF2Plan(min(sizes), len(sizes), steps, restart, local_steps, local_batch)
+        # The relation asked for goes to the plan, which refuses add/remove: each client's mean divides by its
+        # shard's size, private under add/remove.
+        neighbouring = privacy.neighbouring or events.DIFF2Plan.default_neighbouring()
+        plan = events.DIFF2Plan(
+            min(sizes), len(sizes), steps, restart, local_steps, local_batch, neighbouring=neighbouring
+        )
         if remote:  # shards held by client processes: their fingerprint if the transport knows it, else sizes
             data = getattr(clients, "fingerprint", None) or f"remote shards of sizes {list(clients.sizes)}"
         else:  # for tensors, the fingerprint a distributed aggregator binds for the same shards
@@ -308,7 +331,9 @@ class DIFF2(PrivateAlgorithm):
             self._local_x, self._local_v = Iterate(self.params), DifferenceEstimator(self.flat)
         else:
             self.samplers = []
-        rng = np.random.default_rng(runtime.sampler_seed)
+        # The output round is a random choice of its own: a stream derived for it alone, never one that a
+        # sampler also draws from (with a fixed sampler_seed, client 0's local sampler is seeded with it).
+        rng = choice_generator(runtime.sampler_seed, "diff2/output-round")
         self._output_round = int(rng.integers(1, steps + 1)) if output == "random" else None
         self.output_params = [p.detach().clone() for p in self.params] if output == "random" else None
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..privacy import events
+from ..privacy.relations import REPLACE_ONE
 from ..problems import MinimaxProblem
 from ..problems.minimax import YSensitivity
 from .base import PrivateAlgorithm
@@ -191,6 +192,19 @@ class _WithY(nn.Module):
         return torch.cat([self.model(inputs), self.y(inputs)], dim=1)
 
 
+def _replace_one_only(privacy: PrivacyConfig, name: str) -> None:
+    """Refuses ``privacy.neighbouring="add-remove"``: every batch size, sampling rate and divisor of
+    DP-SGDA and PrivateDiff is read from the size of the data, which add/remove adjacency makes private (a
+    neighbour's one record more would change the shape of every release). Under replace-one, the papers'
+    relation and the default, the size is public by definition."""
+    if privacy.neighbouring not in (None, REPLACE_ONE):
+        raise ValueError(
+            f"privacy: {name} is accounted under neighbouring='replace-one' only, got "
+            f"neighbouring={privacy.neighbouring!r}: its sampling rates and divisors read the size of the "
+            "data, which add/remove adjacency makes private"
+        )
+
+
 class MinimaxAlgorithm(PrivateAlgorithm):
     """What DP-SGDA and PrivateDiff share: data, sampling, ``y`` and its noisy clipped ascent step."""
 
@@ -213,6 +227,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
     ) -> None:
         """``settings``: what the run's binding records (the subclass's arguments, as given); ``units``: for
         ``shares="auto"``, the public radius or sensitivity each stream's noise multiplier is relative to."""
+        _replace_one_only(privacy, self.name)
         if lr_y is not None and not lr_y > 0:
             raise ValueError(f"lr_y: must be > 0, got {lr_y}")
         d = problem.y_dim
@@ -335,7 +350,8 @@ class DPSGDA(MinimaxAlgorithm):
         runtime: the :class:`~dpvr.optim.RuntimeConfig`.
 
     Raises:
-        ValueError: a bad ``lr`` or ``lr_y`` (not > 0, or ``lr`` with an optimizer), ``clip`` without exactly
+        ValueError: ``privacy.neighbouring="add-remove"`` (replace-one only: the sizes are the data's); a bad
+            ``lr`` or ``lr_y`` (not > 0, or ``lr`` with an optimizer), ``clip`` without exactly
             ``"x"`` and ``"y"`` or a radius not > 0, a ``y0`` of the wrong shape, an invalid batch size or
             ``sampling``, noise neither given nor calibratable.
         TypeError: ``clip`` not a mapping, ``privacy``/``runtime``/``optimizer`` of the wrong type, or
@@ -516,7 +532,8 @@ class PrivateDiff(MinimaxAlgorithm):
         runtime: the :class:`~dpvr.optim.RuntimeConfig`.
 
     Raises:
-        ValueError: an unknown ``y_release``; ``clip`` without exactly the streams above or with a bad
+        ValueError: ``privacy.neighbouring="add-remove"`` (replace-one only: the sizes are the data's); an
+            unknown ``y_release``; ``clip`` without exactly the streams above or with a bad
             radius; ``y_tolerance`` with ``"ascent"``, or not finite and > 0, or below ``4 A + r`` (naming
             the numbers); ``"ascent"`` without ``lr_y``; a bad ``lr``/``lr_y``; a problem without public
             constants under ``"output"``; a ``y0`` of the wrong shape; an invalid batch size or

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from ..privacy import events
+from ..privacy.relations import REPLACE_ONE
 from ..problems import (
     Divergence,
     LossFn,
@@ -38,6 +39,19 @@ from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_
 from .gradients import ClippedGradients, check_loss
 from .records import Batch, Records, as_records
 from .sampling import BatchSampler
+
+
+def _replace_one_only(privacy: PrivacyConfig, name: str) -> None:
+    """Refuses ``privacy.neighbouring="add-remove"``: every batch size, sampling rate and divisor of
+    the SPIDER algorithms is read from the size of the data, which add/remove adjacency makes private (a
+    neighbour's one record more would change the shape of every release). Under replace-one, the papers'
+    relation and the default, the size is public by definition."""
+    if privacy.neighbouring not in (None, REPLACE_ONE):
+        raise ValueError(
+            f"privacy: {name} is accounted under neighbouring='replace-one' only, got "
+            f"neighbouring={privacy.neighbouring!r}: its sampling rates and divisors read the size of the "
+            "data, which add/remove adjacency makes private"
+        )
 
 
 class _Spider(PrivateAlgorithm):
@@ -57,6 +71,7 @@ class _Spider(PrivateAlgorithm):
         runtime: RuntimeConfig,
         settings: Mapping[str, Any],
     ) -> None:
+        _replace_one_only(privacy, self.name)
         check_loss(model, loss_fn, *records.probe(1))
         super().__init__(
             model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
@@ -195,7 +210,8 @@ class DoubleSpider(_Spider):
         runtime: the :class:`~dpvr.optim.RuntimeConfig`.
 
     Raises:
-        ValueError: ``lam``, ``lr``, ``lr_eta`` or ``max_move`` not > 0; ``clip`` without exactly the four
+        ValueError: ``privacy.neighbouring="add-remove"`` (replace-one only: the sizes are the data's);
+            ``lam``, ``lr``, ``lr_eta`` or ``max_move`` not > 0; ``clip`` without exactly the four
             streams, a radius not > 0, or a difference coefficient that is 0; ``batch_sizes`` that do not
             name the four streams or exceed the dataset size; ``steps < 1`` or ``restart < 1``; an unknown
             ``sampling``; noise that is neither given nor calibratable.
@@ -374,7 +390,8 @@ class RecursiveSpider(_Spider):
         runtime: the :class:`~dpvr.optim.RuntimeConfig`.
 
     Raises:
-        ValueError: ``lam0``, ``lr``, ``lr_lam`` or ``s_floor`` not > 0; ``beta`` outside ``(0, 1]``;
+        ValueError: ``privacy.neighbouring="add-remove"`` (replace-one only: the sizes are the data's);
+            ``lam0``, ``lr``, ``lr_lam`` or ``s_floor`` not > 0; ``beta`` outside ``(0, 1]``;
             ``lam_init < lam0``; ``clip`` without exactly the five streams or a radius not > 0;
             ``batch_sizes`` that do not name the four sampled streams or exceed the dataset size;
             ``steps < 1`` or ``restart < 1``; an unknown ``sampling``; noise neither given nor calibratable.

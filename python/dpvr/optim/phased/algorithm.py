@@ -247,7 +247,9 @@ class PhasedOutputPerturbation(Guarded):
     Args:
         setting: ``"sc"``, ``"c"``, ``"sc-sc"``, ``"c-c"`` or ``"c-sc"``.
         privacy: :class:`~dpvr.optim.PrivacyConfig` with the total budget ``epsilon`` (required) and
-            ``delta``; the releases are always recorded by PLD (exact for Gaussian releases).
+            ``delta``; the releases are always recorded by PLD (exact for Gaussian releases). Replace-one
+            only: ``neighbouring="add-remove"`` is refused (the sensitivities are replace-one stability
+            bounds that shrink with ``n``, which add/remove makes private).
         solver: the base solver (:class:`BaseSolver`); default :class:`KatyushaSolver` for minimisation,
             :class:`VRExtragradientSolver` for saddle problems.
         mu: base regulariser of the phased settings; default :func:`paper_mu` from ``radius``.
@@ -309,6 +311,12 @@ class PhasedOutputPerturbation(Guarded):
     ) -> None:
         if privacy.epsilon is None:
             raise ValueError("privacy: the phased framework needs the budget PrivacyConfig(epsilon=...)")
+        if privacy.neighbouring not in (None, "replace-one"):
+            raise ValueError(
+                f"privacy: neighbouring={privacy.neighbouring!r}: the phased framework is accounted under "
+                "neighbouring='replace-one' only (its sensitivities are replace-one stability bounds that "
+                "shrink with the dataset size, which add/remove adjacency makes private)"
+            )
         epsilon, delta = privacy.epsilon, privacy.delta
         generator, seed, nonfinite = runtime.generator, runtime.sampler_seed, runtime.nonfinite
         if setting not in SETTINGS:
