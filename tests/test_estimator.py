@@ -114,7 +114,7 @@ def test_configs_validate_what_they_hold() -> None:
         RuntimeConfig(grad_mode="fast")
     with pytest.raises(TypeError, match="NoiseGenerator"):
         RuntimeConfig(generator=object())
-    assert RuntimeConfig(sampler_seed=7).sampler_seed_for(2) == 9
+    assert RuntimeConfig(generator=_gen(), sampler_seed=7).sampler_seed_for(2) == 9
 
 
 def test_clip_mappings_name_every_stream_and_only_those() -> None:

@@ -199,7 +199,7 @@ def test_checkpoint_resume_and_budget_guard(data):
 
     tight = PrivateDiff(
         model_fn(), PROBLEM, x, y, **options, privacy=PrivacyConfig(epsilon=0.5, delta=1e-4),
-        runtime=RuntimeConfig(sampler_seed=3),
+        runtime=RuntimeConfig(generator=gen(), sampler_seed=3),
     )  # fmt: skip
     with pytest.raises(BudgetExhaustedError, match="spent so far"):
         tight.run(progress=False)

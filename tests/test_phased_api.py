@@ -30,8 +30,9 @@ def _make(setting="sc", **options):
     def build():
         privacy = PrivacyConfig(epsilon=options.pop("epsilon", 1.0), delta=options.pop("delta", 1e-5))
         runtime = {k: options.pop(k) for k in ("generator", "nonfinite") if k in options}
-        if "seed" in options:
+        if "seed" in options:  # a fixed sampler seed takes a reproducible run
             runtime["sampler_seed"] = options.pop("seed")
+            runtime.setdefault("generator", NoiseGenerator(0, reproducible=True))
         return PhasedOutputPerturbation(setting, privacy=privacy, runtime=RuntimeConfig(**runtime), **options)
 
     return build

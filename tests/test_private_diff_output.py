@@ -217,7 +217,8 @@ def test_calibration_spends_its_epsilon_and_matches_the_account_cli(data, capsys
     )  # fmt: skip
     for shares in (None, "auto"):
         alg = output_diff(
-            mlp(), problem, x, y, **kw, noise=None, runtime=RuntimeConfig(sampler_seed=0),
+            mlp(), problem, x, y, **kw, noise=None,
+            runtime=RuntimeConfig(generator=dpvr.NoiseGenerator(0, reproducible=True), sampler_seed=0),
             privacy=PrivacyConfig(epsilon=2.0, delta=1e-4, **({"shares": shares} if shares else {})),
         )  # fmt: skip
         alg.run(progress=False)

@@ -4,6 +4,7 @@ fixed sampler seed needs the same opt-in as a fixed noise seed."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -196,3 +197,17 @@ def test_a_re_run_s_batches_cannot_be_predicted_from_the_ledger(tmp_path):
     predicted = [guess.draw().tolist() for _ in range(3)]
     matches = sum(p == b for p, b in zip(predicted, batches[0]))
     assert matches == 0
+
+
+# ---- item 7: a fixed sampler seed needs the opt-in a fixed noise seed needs ----------------------------
+
+
+def test_a_fixed_sampler_seed_needs_the_reproducible_opt_in():
+    for runtime in (dict(), dict(generator=dpvr.NoiseGenerator())):
+        with pytest.raises(dpvr.PredictableNoiseError, match=r"sampler_seed: .*reproducible=True"):
+            RuntimeConfig(sampler_seed=3, **runtime)
+    with pytest.raises(dpvr.PredictableNoiseError, match="sampler_seed"):
+        dataclasses.replace(RuntimeConfig(), sampler_seed=3)
+    reproducible = RuntimeConfig(generator=dpvr.NoiseGenerator(1, reproducible=True), sampler_seed=3)
+    assert reproducible.sampler_seed_for(2) == 5
+    assert RuntimeConfig().sampler_seed_for(2) is None  # private sampling needs no opt-in

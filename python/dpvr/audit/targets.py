@@ -110,7 +110,7 @@ class CanaryGame:
         algorithm: type,
         delta: float,
         generator: NoiseGenerator,
-        seed: int,
+        seed: int | None,
         side: int = 0,
         epsilon: float | None = None,
         accountant: str | None = None,
@@ -130,7 +130,8 @@ class CanaryGame:
         With ``audited`` streams the budget is split by the library's calibration with shares: each other
         stream gets ``FREE_SHARE`` of an audited stream's share, so that the whole run's epsilon (the claim an
         audit is compared with) is nearly that of the streams the canary is scored in."""
-        probe = partial(self._build, self.algorithm, delta, NoiseGenerator(), 0, epsilon=epsilon)
+        # a probe releases nothing: private noise and sampling (a fixed sampler seed needs a reproducible run)
+        probe = partial(self._build, self.algorithm, delta, NoiseGenerator(), None, epsilon=epsilon)
         if self.audited:
             plan = probe(accountant="rdp").plan
             shares = {s: 1.0 if s in self.audited else FREE_SHARE for s in plan.streams}

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..ops import NoiseGenerator, check_nonfinite
+from ..ops import NoiseGenerator, PredictableNoiseError, check_nonfinite
 from ..privacy.relations import ACCOUNTANTS
 from .gradients import MODES
 
@@ -72,7 +72,7 @@ class PrivacyConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """How the algorithm computes; none of it changes the privacy guarantee.
+    """How the algorithm computes; none of it changes the privacy guarantee, unless a seed is fixed.
 
     Attributes:
         grad_mode: ``"auto"`` (default: ghost clipping where the model allows, materialised per-sample
@@ -84,8 +84,11 @@ class RuntimeConfig:
         generator: the noise source (:class:`~dpvr.NoiseGenerator`); ``None`` (default): seeded from the
             operating system. The algorithm binds it to its run, so give each algorithm its own.
         sampler_seed: fixes the batch sampling for reproducibility; ``None`` (default): seeded from the
-            operating system (sampling is part of the mechanism: a known seed voids amplification by
-            sampling).
+            operating system. Sampling is part of the mechanism: anyone who knows the seed knows every
+            batch, which voids amplification by sampling as a known noise seed voids the Gaussian
+            mechanism. So it takes the same opt-in: it is accepted only with a reproducible ``generator``
+            (``NoiseGenerator(seed, reproducible=True)``), which makes the whole run reproducible and
+            predictable to whoever holds the seeds (keep them as confidential as the data).
         nonfinite: a record whose contribution is not finite contributes zero (``"zero"``, default: keeps
             every sensitivity bound) or raises :class:`dpvr.ops.NonFiniteError` (``"raise"``: for debugging
             only).
@@ -93,6 +96,7 @@ class RuntimeConfig:
     Raises:
         ValueError: an unknown ``grad_mode`` or ``nonfinite`` policy, or ``chunk_size < 1``.
         TypeError: ``generator`` is not a :class:`~dpvr.NoiseGenerator`.
+        PredictableNoiseError: ``sampler_seed`` without a reproducible ``generator``.
     """
 
     grad_mode: str = "auto"
@@ -108,6 +112,12 @@ class RuntimeConfig:
             raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
         if self.generator is not None and not isinstance(self.generator, NoiseGenerator):
             raise TypeError(f"generator: expected a dpvr NoiseGenerator, got {type(self.generator).__name__}")
+        if self.sampler_seed is not None and not (self.generator is not None and self.generator.reproducible):
+            raise PredictableNoiseError(
+                "sampler_seed: a fixed sampler seed makes the batches predictable to anyone who knows it, "
+                "which voids amplification by sampling; pass generator=NoiseGenerator(seed, "
+                "reproducible=True) to opt into a reproducible run, or no sampler_seed for private sampling"
+            )
         check_nonfinite(self.nonfinite)
 
     def sampler_seed_for(self, k: int) -> int | None:
