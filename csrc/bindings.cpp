@@ -65,13 +65,16 @@ PYBIND11_MODULE(_C, m) {
       "clip_accumulate",
       [](int device, int dtype, int64_t batch, const std::vector<MatrixDesc>& g, const std::vector<MatrixDesc>& h,
          const std::vector<VectorDesc>& out, uintptr_t w, uintptr_t b, uintptr_t norms, double clip,
-         int nonfinite, uintptr_t stream, uintptr_t count) -> int64_t {
+         int nonfinite, uintptr_t stream, uintptr_t count, int out_dtype) -> int64_t {
         dpvr::ClipArgs a;
         a.dtype = dtype_of(dtype);
         a.batch = batch;
         a.g = matrices(g);
         a.h = matrices(h);
         a.out = vectors(out);
+        a.out_f64 = out_dtype < 0 ? a.dtype == dpvr::DType::f64 : dtype_of(out_dtype) == dpvr::DType::f64;
+        if (a.dtype == dpvr::DType::f64 && !a.out_f64)
+          throw dpvr::ArgumentError("out: float64 per-sample data needs float64 accumulators");
         a.w = reinterpret_cast<const void*>(w);
         a.b = reinterpret_cast<const void*>(b);
         a.norms = reinterpret_cast<void*>(norms);
@@ -82,18 +85,23 @@ PYBIND11_MODULE(_C, m) {
         dpvr::clip_accumulate_cuda(a, reinterpret_cast<void*>(stream), reinterpret_cast<int64_t*>(count));
         return -1;  // the count is written to `count` on the device
       },
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("device"), py::arg("dtype"), py::arg("batch"), py::arg("g"), py::arg("h"), py::arg("out"),
+      py::arg("w"), py::arg("b"), py::arg("norms"), py::arg("clip"), py::arg("nonfinite"), py::arg("stream"),
+      py::arg("count"), py::arg("out_dtype") = -1, py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "noisy_update",
       [](int device, int dtype, const std::vector<VectorDesc>& v, const std::vector<VectorDesc>& sum,
          const std::vector<VectorDesc>& x, const std::vector<VectorDesc>& x_prev, double scale, double sigma,
          double lr, bool reset, uint64_t seed, uint32_t stream_id, uint32_t step, uintptr_t step_norm,
-         uintptr_t stream) {
+         uintptr_t stream, int sum_dtype) {
         dpvr::UpdateArgs a;
         a.dtype = dtype_of(dtype);
         a.v = vectors(v);
         a.sum = vectors(sum);
+        a.sum_f64 = sum_dtype < 0 ? a.dtype == dpvr::DType::f64 : dtype_of(sum_dtype) == dpvr::DType::f64;
+        if (a.dtype == dpvr::DType::f64 && !a.sum_f64)
+          throw dpvr::ArgumentError("sum: a float32 sum cannot be added to float64 values");
         a.x = vectors(x);
         a.x_prev = vectors(x_prev);
         a.scale = scale;
@@ -106,6 +114,9 @@ PYBIND11_MODULE(_C, m) {
         require_cuda();
         dpvr::noisy_update_cuda(a, reinterpret_cast<void*>(stream));
       },
+      py::arg("device"), py::arg("dtype"), py::arg("v"), py::arg("sum"), py::arg("x"), py::arg("x_prev"),
+      py::arg("scale"), py::arg("sigma"), py::arg("lr"), py::arg("reset"), py::arg("seed"), py::arg("stream_id"),
+      py::arg("step"), py::arg("step_norm"), py::arg("stream"), py::arg("sum_dtype") = -1,
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

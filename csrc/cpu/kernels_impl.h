@@ -5,12 +5,15 @@
 // clip-accumulate reads the per-sample data from memory once: samples are processed in chunks small enough to
 // stay in cache, so the accumulation pass re-reads a chunk from cache right after its norms are known. Every
 // schedule is deterministic for a given thread count:
-//   sample-parallel: each thread clips a fixed range of samples into a private accumulator (double for narrow
-//                    models; T for wide ones, where it must stay small), and the accumulators are reduced in a
-//                    fixed order. No thread waits for another until the end, which matters on a shared machine:
-//                    there a barrier costs a scheduler time slice whenever a core is busy with other work.
+//   sample-parallel: each thread clips a fixed range of samples into a private double accumulator, and the
+//                    accumulators are reduced in a fixed order. No thread waits for another until the end, which
+//                    matters on a shared machine: there a barrier costs a scheduler time slice whenever a core
+//                    is busy with other work.
 //   column-parallel: each thread owns a fixed column range of the concatenated tensors and the threads meet at
 //                    a barrier per chunk to add up the norms - for few samples (or accumulators too large).
+// Every schedule sums over samples in double and adds the total to `out` once. A float32 running sum would
+// round at the magnitude of the partial sum (up to B C), so replacing one record could move it by 2C plus
+// roundings that grow with B; in double those are below 2^-53 of the partial sums.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -131,15 +134,15 @@ struct Source {
     }
   }
 
-  // out[lo:hi] += f * u_i[lo:hi] for tensor k.
-  void axpy(int k, int64_t i, int64_t lo, int64_t hi, T f, T* out) const {
+  // out[lo:hi] += f * u_i[lo:hi] for tensor k, in double (u_i's entries, formed in T, widen exactly).
+  void axpy(int k, int64_t i, int64_t lo, int64_t hi, double f, double* out) const {
     Row r = row(k, i);
     if (unit_stride(k)) {
       r.gs = r.hs = 1;
 #pragma omp simd
-      for (int64_t j = lo; j < hi; ++j) out[j] += f * r[j];
+      for (int64_t j = lo; j < hi; ++j) out[j] += f * static_cast<double>(r[j]);
     } else {
-      for (int64_t j = lo; j < hi; ++j) out[j] += f * r[j];
+      for (int64_t j = lo; j < hi; ++j) out[j] += f * static_cast<double>(r[j]);
     }
   }
 
@@ -180,6 +183,17 @@ struct Clipper {
     clip_factor(n, weight, clip * (1.0 - margin), f, norm);
   }
 };
+
+// out_k[j] += s, rounded once to out's dtype (T, or double with out_f64).
+template <typename T>
+inline void add_out(const ClipArgs& args, int k, int64_t j, double s) {
+  if (args.out_f64) {
+    static_cast<double*>(args.out[k].data)[j] += s;
+  } else {
+    T* out = static_cast<T*>(args.out[k].data);
+    out[j] = static_cast<T>(static_cast<double>(out[j]) + s);
+  }
+}
 
 template <typename T, bool Diff>
 int64_t run(const ClipArgs& args, bool write) {
@@ -229,8 +243,7 @@ int64_t run(const ClipArgs& args, bool write) {
         int64_t off = c;
         int k = 0;
         while (off >= widths[k]) off -= widths[k++];
-        T* out = static_cast<T*>(args.out[k].data);
-        out[off] = static_cast<T>(static_cast<double>(out[off]) + s);
+        add_out<T>(args, k, off, s);
       }
     }
     return nonfinite;
@@ -238,9 +251,10 @@ int64_t run(const ClipArgs& args, bool write) {
 
   const int64_t bytes_per_sample = D * static_cast<int64_t>(sizeof(T)) * (Diff ? 2 : 1);
   if (B >= kSamplesPerAccumulator * nt) {
-    // Wide sample-parallel schedule: chunks of whole samples, norms then accumulation into a private T vector.
+    // Wide sample-parallel schedule: chunks of whole samples, norms then accumulation into a private double
+    // vector.
     const int64_t chunk = std::max<int64_t>(1, kSampleChunkBytes / std::max<int64_t>(1, bytes_per_sample));
-    std::vector<T> acc(accumulate ? static_cast<size_t>(nt) * D : 0, T(0));
+    std::vector<double> acc(accumulate ? static_cast<size_t>(nt) * D : 0, 0.0);
 #pragma omp parallel reduction(+ : nonfinite) if (B * D >= kSerialBelow)
     {
       const int t = thread_id(), team = team_size();
@@ -257,12 +271,12 @@ int64_t run(const ClipArgs& args, bool write) {
           if (write && norms) norms[i] = static_cast<T>(n);
         }
         if (!accumulate) continue;
-        T* mine = acc.data() + static_cast<size_t>(t) * D;
+        double* mine = acc.data() + static_cast<size_t>(t) * D;
         for (int k = 0; k < K; mine += widths[k++])
           for (int64_t lo = 0; lo < widths[k]; lo += kTile) {
             const int64_t hi = std::min(widths[k], lo + kTile);
             for (int64_t s = 0; s < n_in; ++s)
-              if (factors[s] != 0.0) src.axpy(k, i0 + s, lo, hi, static_cast<T>(factors[s]), mine);
+              if (factors[s] != 0.0) src.axpy(k, i0 + s, lo, hi, factors[s], mine);
           }
       }
     }
@@ -270,13 +284,12 @@ int64_t run(const ClipArgs& args, bool write) {
       // out_k += the threads' accumulators, added in thread order.
       int64_t off = 0;
       for (int k = 0; k < K; off += widths[k++]) {
-        T* out = static_cast<T*>(args.out[k].data);
-        const T* first = acc.data() + off;
+        const double* first = acc.data() + off;
 #pragma omp parallel for schedule(static) if (widths[k] * nt >= kSerialBelow)
         for (int64_t j = 0; j < widths[k]; ++j) {
-          T sum = first[j];
+          double sum = first[j];
           for (int u = 1; u < nt; ++u) sum += first[static_cast<size_t>(u) * D + j];
-          out[j] += sum;
+          add_out<T>(args, k, j, sum);
         }
       }
     }
@@ -287,6 +300,12 @@ int64_t run(const ClipArgs& args, bool write) {
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(B, kCacheBudgetPerThread * nt /
                                                                      std::max<int64_t>(1, bytes_per_sample)));
   std::vector<double> partial(2 * static_cast<size_t>(nt) * chunk, 0.0);
+  // Each thread sums its own columns over every chunk in double (in `out` itself when it holds double), and
+  // adds them to `out` once at the end.
+  const bool direct = args.out_f64;
+  std::vector<double> total(accumulate && !direct ? static_cast<size_t>(D) : 0, 0.0);
+  std::vector<int64_t> starts(K + 1, 0);
+  for (int k = 0; k < K; ++k) starts[k + 1] = starts[k] + widths[k];
 #pragma omp parallel reduction(+ : nonfinite) if (B * D >= kSerialBelow)
   {
     const int t = thread_id(), team = team_size();
@@ -315,14 +334,17 @@ int64_t run(const ClipArgs& args, bool write) {
       }
       if (!accumulate) continue;
       for (const Piece& p : mine) {
-        T* out = static_cast<T*>(args.out[p.k].data);
+        double* sums = direct ? static_cast<double*>(args.out[p.k].data) : total.data() + starts[p.k];
         for (int64_t lo = p.begin; lo < p.end; lo += kTile) {
           const int64_t hi = std::min(p.end, lo + kTile);
           for (int64_t s = 0; s < n_in; ++s)
-            if (factors[s] != 0.0) src.axpy(p.k, i0 + s, lo, hi, static_cast<T>(factors[s]), out);
+            if (factors[s] != 0.0) src.axpy(p.k, i0 + s, lo, hi, factors[s], sums);
         }
       }
     }
+    if (accumulate && !direct)
+      for (const Piece& p : mine)
+        for (int64_t j = p.begin; j < p.end; ++j) add_out<T>(args, p.k, j, total[starts[p.k] + j]);
   }
   return nonfinite;
 }
@@ -471,17 +493,21 @@ void update(const UpdateArgs& a) {
       int64_t base = lo;
       for (const Piece& p : pieces_of(widths, lo, hi)) {
         T* v = static_cast<T*>(a.v[p.k].data);
-        const T* s = has_sum ? static_cast<const T*>(a.sum[p.k].data) : nullptr;
+        // The sum is read in its own dtype (double for a float32 model's float64 sum): nothing is rounded
+        // to T before the noise is added.
+        const T* s = has_sum && !a.sum_f64 ? static_cast<const T*>(a.sum[p.k].data) : nullptr;
+        const double* s64 = has_sum && a.sum_f64 ? static_cast<const double*>(a.sum[p.k].data) : nullptr;
         T* x = step ? static_cast<T*>(a.x[p.k].data) : nullptr;
         T* xp = keep ? static_cast<T*>(a.x_prev[p.k].data) : nullptr;
         const double* zp = noise ? scratch->z + (base - lo) - p.begin : nullptr;
         // Entry j's update; its squared step goes to a lane of its own, so that the loop vectorises (a
         // single running sum would chain every entry) and the lanes' order is the same on every copy. The
         // optional inputs are template flags: one branch-free loop per combination.
-        const auto run = [&](auto has_s, auto has_noise, auto has_x, auto has_xp) {
+        const auto run = [&](auto has_s, auto has_s64, auto has_noise, auto has_x, auto has_xp) {
           const auto entry = [&](int64_t j, double& lane) {
             double nv = a.reset ? 0.0 : static_cast<double>(v[j]);
             if constexpr (has_s()) nv += a.scale * static_cast<double>(s[j]);
+            if constexpr (has_s64()) nv += a.scale * s64[j];
             if constexpr (has_noise()) nv += a.sigma * zp[j];
             const T vt = static_cast<T>(nv);
             v[j] = vt;
@@ -501,7 +527,7 @@ void update(const UpdateArgs& a) {
           }
           for (int l = 0; j < p.end; ++j, ++l) entry(j, lanes[l]);
         };
-        dispatch(run, s != nullptr, noise, x != nullptr, xp != nullptr);
+        dispatch(run, s != nullptr, s64 != nullptr, noise, x != nullptr, xp != nullptr);
         base += p.end - p.begin;
       }
     }

@@ -12,6 +12,7 @@
 // so both backends clip the same vector and the one whose norm was bounded is the one that is added.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.cuh"
@@ -29,6 +30,7 @@ struct ClipTable {
   const void* g[N];
   const void* h[N];
   void* out[N];
+  bool out_f64;  // out holds double (else T)
   int64_t g_row[N], g_col[N], h_row[N], h_col[N];
   int64_t off[N + 1];  // column offsets of the tensors within this launch; off[count] is its width
 };
@@ -178,6 +180,18 @@ __global__ void __launch_bounds__(kThreads)
   if (norms) norms[i] = static_cast<T>(norm);
 }
 
+// out_k[j] += s, rounded once to out's dtype.
+template <typename T, int N>
+__device__ __forceinline__ void add_out(const ClipTable<N>& t, int k, int64_t j, double s) {
+  if (t.out_f64) {
+    double* o = static_cast<double*>(t.out[k]) + j;
+    *o = __dadd_rn(*o, s);
+  } else {
+    T* o = static_cast<T*>(t.out[k]) + j;
+    *o = static_cast<T>(static_cast<double>(*o) + s);
+  }
+}
+
 template <typename T, bool Diff, int N>
 __global__ void __launch_bounds__(kThreads)
     accumulate_pass(const __grid_constant__ ClipTable<N> t, int64_t batch, int64_t slice, const T* a, const T* b,
@@ -220,8 +234,7 @@ __global__ void __launch_bounds__(kThreads)
   if (partial) {
     partial[static_cast<int64_t>(blockIdx.y) * width + c] = acc;
   } else {
-    T* o = static_cast<T*>(t.out[k]) + j;
-    *o = static_cast<T>(static_cast<double>(*o) + acc);
+    add_out<T>(t, k, j, acc);
   }
 }
 
@@ -235,8 +248,7 @@ __global__ void __launch_bounds__(kThreads)
   double s = 0.0;
   for (int64_t y = 0; y < slices; ++y) s += partial[y * width + c];
   const int k = tensor_of(t.off, t.count, c);
-  T* o = static_cast<T*>(t.out[k]) + (c - t.off[k]);
-  *o = static_cast<T>(static_cast<double>(*o) + s);
+  add_out<T>(t, k, c - t.off[k], s);
 }
 
 // Relative error bound of a computed norm, plus the rounding of clipped entries to T; clipping to
@@ -290,6 +302,7 @@ void run(const ClipArgs& args, cudaStream_t stream, int device, int64_t* user_co
   for (int k0 = 0; k0 < K; k0 += N) {
     ClipTable<N>& t = tables.emplace_back();  // value-initialised: unused slots are zero
     t.count = std::min(N, K - k0);
+    t.out_f64 = args.out_f64 || std::is_same_v<T, double>;
     for (int q = 0; q < t.count; ++q) {
       const Matrix& g = args.g[k0 + q];
       t.g[q] = g.data;

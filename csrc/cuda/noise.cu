@@ -31,6 +31,7 @@ struct UpdateScalars {
   double scale, sigma, lr;
   NoiseKey key;
   bool reset, noise, has_sum, has_x, has_prev;
+  bool sum_f64;  // the sum holds double (a float32 model's sum, kept in double until the noise is added)
 };
 
 // Updates element e (global index) with Gaussian z; returns (x_new - x_old)^2 (0 without a step).
@@ -40,7 +41,11 @@ __device__ __forceinline__ double update_one(const UpdateTable<N>& t, const Upda
   const int64_t j = e - t.off[k];
   T* v = static_cast<T*>(t.v[k]) + j;
   double nv = s.reset ? 0.0 : static_cast<double>(*v);
-  if (s.has_sum) nv = __dadd_rn(nv, __dmul_rn(s.scale, static_cast<double>(static_cast<const T*>(t.sum[k])[j])));
+  if (s.has_sum) {
+    const double sum = s.sum_f64 ? static_cast<const double*>(t.sum[k])[j]
+                                 : static_cast<double>(static_cast<const T*>(t.sum[k])[j]);
+    nv = __dadd_rn(nv, __dmul_rn(s.scale, sum));
+  }
   if (s.noise) nv = __dadd_rn(nv, __dmul_rn(s.sigma, z));
   const T vt = static_cast<T>(nv);
   *v = vt;
@@ -97,7 +102,8 @@ template <typename T, int N>
 void run(const UpdateArgs& a, cudaStream_t stream, int device) {
   const int K = static_cast<int>(a.v.size());
   const bool has_sum = !a.sum.empty(), has_x = !a.x.empty(), has_prev = !a.x_prev.empty();
-  const UpdateScalars s{a.scale, a.sigma, a.lr, a.key, a.reset, a.sigma > 0.0, has_sum, has_x, has_prev};
+  const UpdateScalars s{a.scale, a.sigma, a.lr, a.key, a.reset, a.sigma > 0.0, has_sum, has_x, has_prev,
+                        has_sum && a.sum_f64};
 
   std::vector<UpdateTable<N>> tables;
   int64_t offset = 0;

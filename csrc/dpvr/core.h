@@ -40,13 +40,17 @@ enum class NonFinite : int {
 //   u_i = a_i * g_i - b_i * h_i     (difference form; h non-empty, a/b null meaning 1)
 //   n_i = ||u_i||_2 over all tensors, c_i = min(1, C / n_i) (1 when n_i = 0),
 //   out_k += sum_i c_i * u_i,k.    Optional: norms[i] = n_i.
-// An empty `out` computes norms only.
+// An empty `out` computes norms only. The sum over samples is accumulated in double on every backend and
+// schedule and added to `out` once: `out` is of `dtype`, or float64 with `out_f64` (a float32 model whose
+// clipped sum stays in float64 until the noise is added, so that no float32 rounding of a sum over records,
+// which one record can move by more than its clipped norm, reaches a release).
 struct ClipArgs {
   DType dtype = DType::f32;
   int64_t batch = 0;
   std::vector<Matrix> g;
   std::vector<Matrix> h;
   std::vector<Vector> out;
+  bool out_f64 = false;     // out holds float64 (always so when dtype is f64)
   const void* w = nullptr;  // plain-form weights, or difference-form a_i
   const void* b = nullptr;  // difference-form b_i
   void* norms = nullptr;    // length-batch output of dtype `dtype`
@@ -65,10 +69,13 @@ struct NoiseKey {
 //   v <- (reset ? 0 : v) + scale * sum + sigma * xi,   xi ~ N(0, I) from `key`
 //   if x given:  x_prev <- x (when given);  x <- x - lr * v;  *step_norm = ||x_new - x_old||_2
 // `sum` may be empty (treated as zero). Adding plain noise to a buffer is the case sum = x = empty.
+// `sum` is of `dtype`, or float64 with `sum_f64`: v + scale * sum + sigma * xi is formed in double and rounded
+// to `dtype` once, after the noise.
 struct UpdateArgs {
   DType dtype = DType::f32;
   std::vector<Vector> v;
   std::vector<Vector> sum;
+  bool sum_f64 = false;  // sum holds float64 (always so when dtype is f64)
   std::vector<Vector> x;
   std::vector<Vector> x_prev;
   double scale = 1.0;

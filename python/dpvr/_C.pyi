@@ -39,10 +39,12 @@ def clip_accumulate(
     nonfinite: int,
     stream: int,
     count: int,
+    out_dtype: int = -1,
     /,
 ) -> int:
-    """``out += sum_i min(1, clip / ||u_i||) u_i``; returns the non-finite sample count (-1 on CUDA, where it
-    is written to ``count``)."""
+    """``out += sum_i min(1, clip / ||u_i||) u_i``, summed over samples in double and added once; returns the
+    non-finite sample count (-1 on CUDA, where it is written to ``count``). ``out_dtype``: 1 for float64
+    accumulators of float32 data (-1: ``dtype``)."""
 
 def noisy_update(
     device: int,
@@ -60,9 +62,11 @@ def noisy_update(
     step: int,
     step_norm: int,
     stream: int,
+    sum_dtype: int = -1,
     /,
 ) -> None:
-    """``v <- (reset ? 0 : v) + scale * sum + sigma * xi``, then ``x <- x - lr * v`` when ``x`` is given."""
+    """``v <- (reset ? 0 : v) + scale * sum + sigma * xi``, then ``x <- x - lr * v`` when ``x`` is given.
+    ``sum_dtype``: 1 for a float64 sum of a float32 update (-1: ``dtype``)."""
 
 def philox_words(
     device: int, out: int, n_blocks: int, seed: int, stream_id: int, step: int, stream: int, /

@@ -44,20 +44,28 @@ class _Call:
         self.dtype: str | None = None
         self.device: int | None = None
         self.framework = "numpy"
+        self.wide_dtype: str | None = None  # the dtype of the sums over records (``wide`` arrays)
         self.keep: list[ArrayView] = []
 
-    def add(self, a: Array, name: str, *, writable: bool = False) -> ArrayView:
+    def add(self, a: Array, name: str, *, writable: bool = False, wide: bool = False) -> ArrayView:
+        """``wide``: a sum over records, which may be float64 beside float32 arrays (see
+        :func:`clip_accumulate`); its dtype is then recorded in :attr:`wide_dtype`."""
         v = view(a, name)
         if v.dtype not in ("float32", "float64"):
             raise TypeError(f"{name}: dtype must be float32 or float64, got {v.dtype}")
         if self.dtype is None:
             self.dtype, self.device, self.framework = v.dtype, v.device, v.framework
-        elif v.dtype != self.dtype:
-            raise TypeError(f"{name}: dtype {v.dtype} differs from the other arrays' {self.dtype}")
-        elif v.device != self.device:
+        elif v.dtype != self.dtype and not (wide and v.dtype == "float64"):
+            what = " (a sum may be float64 or the data's dtype)" if wide else ""
+            raise TypeError(f"{name}: dtype {v.dtype} differs from the other arrays' {self.dtype}{what}")
+        if v.device != self.device:
             raise ValueError(
                 f"{name}: on {_device_name(v.device)}, the other arrays are on {_device_name(self.device)}"
             )
+        if wide:
+            if self.wide_dtype not in (None, v.dtype):
+                raise TypeError(f"{name}: dtype {v.dtype} differs from the other sums' {self.wide_dtype}")
+            self.wide_dtype = v.dtype
         if writable and not v.writable:
             raise ValueError(f"{name}: array is read-only")
         self.keep.append(v)
@@ -69,9 +77,9 @@ class _Call:
         return desc
 
     def vector(
-        self, a: Array, name: str, size: int | None = None, *, writable: bool = False
+        self, a: Array, name: str, size: int | None = None, *, writable: bool = False, wide: bool = False
     ) -> tuple[int, int]:
-        v = self.add(a, name, writable=writable)
+        v = self.add(a, name, writable=writable, wide=wide)
         if not v.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
         if size is not None and v.size != size:
@@ -150,7 +158,8 @@ def _clip(
         if len(o) != len(g):
             raise ValueError(f"out: expected {len(g)} tensors, got {len(o)}")
         o_desc = [
-            call.vector(a, f"out[{k}]", gd[2], writable=True) for k, (a, gd) in enumerate(zip(o, g_desc))
+            call.vector(a, f"out[{k}]", gd[2], writable=True, wide=True)
+            for k, (a, gd) in enumerate(zip(o, g_desc))
         ]
     w = call.per_sample(first, names[0], batch)
     b = call.per_sample(second, names[1], batch)
@@ -170,6 +179,7 @@ def _clip(
         NONFINITE_POLICIES[nonfinite],
         call.stream,
         count_address,
+        1 if call.wide_dtype == "float64" else 0 if call.wide_dtype == "float32" else -1,
     )
     return result if count is None else count
 
@@ -188,11 +198,18 @@ def clip_accumulate(
     The norm of sample i runs over all K tensors (the global per-sample gradient norm), so each sample's total
     contribution has L2 norm at most ``clip`` — also after rounding to the output dtype.
 
+    Accumulation: the sum over samples is formed in float64 and added to ``out`` once, on every backend.
+    ``out`` may be float64 beside float32 ``grads``: that is how a float32 model keeps its clipped sum in
+    float64 until :func:`noisy_update` adds the noise. A float32 ``out`` rounds the sum once per call, at
+    its own magnitude: replacing one record then moves ``out`` by up to ``2 clip`` plus one unit in the
+    last place of the sum's entries, which for sums over many records exceeds what the accountant prices.
+
     Args:
         grads: per-sample gradients, one array (or a list of K arrays, one per parameter tensor) with a
             leading batch dimension ``B``; float32 or float64, all of one dtype and device.
         clip: the clip radius ``C`` (L2, over all K tensors together).
-        out: the K accumulators (contiguous, writable, each of one sample's size), added to in place.
+        out: the K accumulators (contiguous, writable, each of one sample's size), added to in place;
+            of ``grads``' dtype, or float64.
         weights: per-sample scales ``w_i`` (shape ``(B,)``), applied *before* the norm (DRO re-weighting);
             default 1.
         norms: receives ``||w_i g_i||`` (shape ``(B,)``), NaN for a non-finite sample; default: not written.
@@ -305,7 +322,9 @@ def noisy_update(
         generator: the :class:`~dpvr.NoiseGenerator` that draws ``xi``.
         stream: the name of the generator's noise stream to draw from.
         sigma: the noise standard deviation (absolute, not a multiplier); ``>= 0``, ``0`` draws nothing.
-        sum: the (clipped) signal added, one array per array of ``v``; default: none.
+        sum: the (clipped) signal added, one array per array of ``v``, of ``v``'s dtype or float64 (a float32
+            model's sum over records kept in float64: ``v + scale * sum + sigma * xi`` is formed in float64
+            and rounded once, after the noise); default: none.
         scale: the factor on ``sum`` (e.g. ``1 / b`` for a batch mean); default 1.
         reset: start from zero instead of ``v`` (a refresh); default ``False``.
         params: the parameters, stepped in place by ``-lr * v``; default: no step.
@@ -340,7 +359,12 @@ def noisy_update(
             call.vector(a, f"{name}[{k}]", n, writable=writable) for k, (a, n) in enumerate(zip(lst, sizes))
         ]
 
-    s_desc = vectors(sum, "sum", False)
+    s_desc = []
+    if sum is not None:
+        sums = _as_list(sum, "sum")
+        if len(sums) != len(vs):
+            raise ValueError(f"sum: expected {len(vs)} tensors, got {len(sums)}")
+        s_desc = [call.vector(a, f"sum[{k}]", n, wide=True) for k, (a, n) in enumerate(zip(sums, sizes))]
     x_desc = vectors(params, "params", True)
     p_desc = vectors(params_prev, "params_prev", True)
     if params_prev is not None and params is None:
@@ -384,6 +408,7 @@ def noisy_update(
         key.step if key else 0,
         norm_address,
         call.stream,
+        1 if call.wide_dtype == "float64" else 0 if call.wide_dtype == "float32" else -1,
     )
     if norm is None:
         return None

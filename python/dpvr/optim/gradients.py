@@ -28,6 +28,31 @@ from ..problems import LossFn
 MODES = ("auto", "ghost", "materialised")
 
 
+def accumulators(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed float64 buffers shaped like ``like`` (flat parameters), for a clipped sum over records that is
+    kept in float64 until the noise is added (:func:`dpvr.ops.noisy_update` takes a float64 sum beside
+    float32 values).
+
+    Why: a sum of ``B`` clipped terms rounded to float32 is off by up to half a unit in the last place of
+    its entries, which are up to ``B C``; replacing one record then moves the rounded sum by ``2C`` plus
+    those units (about ``2C + 2^-24 B C``: 2.0078C at ``B = 10^5``), more than the accountant prices. In
+    float64 the sum's roundings stay below ``2^-53`` of its partial sums, and the release rounds to float32
+    only after the noise is added (post-processing)."""
+    return [torch.zeros_like(t, dtype=torch.float64) for t in like]
+
+
+def _wide(out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Float64 accumulators for a sum into ``out``: ``out``'s own tensors where they are float64, else fresh
+    zeros, added to ``out`` once by :func:`_flush`."""
+    return [o if o.dtype == torch.float64 else torch.zeros_like(o, dtype=torch.float64) for o in out]
+
+
+def _flush(wide: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+    for o, w in zip(out, wide):
+        if w is not o:
+            o.add_(w)  # one rounding to out's dtype
+
+
 def finite_records(values: torch.Tensor, policy: str, what: str) -> tuple[torch.Tensor, int]:
     """``values`` (one row per record) with every row holding a non-finite entry zeroed, and their count.
 
@@ -93,7 +118,10 @@ class ClippedGradients:
     """Per-sample clipping for one model and per-sample loss (``loss_fn(output, target)`` on one sample).
 
     Every sum adds, for each sample, a vector of L2 norm at most ``clip`` (both paths use the native clip
-    rule, which holds after rounding). A sample whose gradient or weight is not finite follows ``nonfinite``:
+    rule, which holds after rounding). Sums over records (and over micro-batches) are accumulated in
+    float64 on every path and added to ``out`` once; give float64 ``out`` buffers (:func:`accumulators`)
+    to keep them so until the noise is added, which a float32 model's release needs for its sensitivity
+    to hold (see :func:`accumulators`). A sample whose gradient or weight is not finite follows ``nonfinite``:
     ``"zero"`` (it contributes nothing, which keeps the sensitivity bound) or ``"raise"``
     (:class:`dpvr.ops.NonFiniteError` before anything is written; the error itself reveals that such a
     record exists, so it is for debugging, not for private runs). When every sample of one sum is dropped,
@@ -156,13 +184,15 @@ class ClippedGradients:
         sample's gradient norm and loss (from the pass that formed the sum: no extra work)."""
         if len(inputs) == 0:
             return 0
+        acc = _wide(out)
         if self._ghost is not None:
             dropped = 0
             for x, t, w, n, loss in self._micro_batches(inputs, targets, weights, norms, losses):
-                result = self._ghost.clipped_sum(x, t, clip, weights=w, params=point)
-                dropped += self._add(result.sums, result.norms, out, n)
+                result = self._ghost.clipped_sum(x, t, clip, weights=w, params=point, wide=True)
+                dropped += self._add(result.sums, result.norms, acc, n)
                 if loss is not None:
                     loss.copy_(result.losses)
+            _flush(acc, out)
             return self._dropped(dropped, len(inputs))
         grads, each = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size,
@@ -170,9 +200,8 @@ class ClippedGradients:
         )
         if losses is not None:
             losses.copy_(each)
-        count = ops.clip_accumulate(
-            grads, clip, list(out), weights=weights, norms=norms, nonfinite=self.nonfinite
-        )
+        count = ops.clip_accumulate(grads, clip, acc, weights=weights, norms=norms, nonfinite=self.nonfinite)
+        _flush(acc, out)
         return self._dropped(int(count), len(inputs))
 
     def diff_sum(
@@ -190,17 +219,20 @@ class ClippedGradients:
         both points (per-sample scalars ``a``, ``b`` default to 1)."""
         if len(inputs) == 0:
             return 0
+        acc = _wide(out)
         if self._ghost is not None:
             dropped = 0
             for x, t, a_rows, b_rows in self._micro_batches(inputs, targets, a, b):
                 result = self._ghost.clipped_diff_sum(x, t, list(point), list(previous), clip, a=a_rows,
-                                                      b=b_rows)
-                dropped += self._add(result.sums, result.norms, out, None)
+                                                      b=b_rows, wide=True)
+                dropped += self._add(result.sums, result.norms, acc, None)
+            _flush(acc, out)
             return self._dropped(dropped, len(inputs))
         now, before = per_sample_grads_at_two_points(
             self.model, self.loss_fn, inputs, targets, list(point), list(previous), chunk_size=self.chunk_size
         )
-        count = ops.clip_accumulate_diff(now, before, clip, list(out), a=a, b=b, nonfinite=self.nonfinite)
+        count = ops.clip_accumulate_diff(now, before, clip, acc, a=a, b=b, nonfinite=self.nonfinite)
+        _flush(acc, out)
         return self._dropped(int(count), len(inputs))
 
     def batch_mean(self, losses: torch.Tensor | None, count: int) -> tuple[int, torch.Tensor | None]:
@@ -218,7 +250,10 @@ class ClippedGradients:
         it the whole batch's."""
         if len(values) == 0:
             return 0
-        return int(ops.clip_accumulate([values], clip, list(out), nonfinite=self.nonfinite))
+        acc = _wide(out)
+        count = int(ops.clip_accumulate([values], clip, acc, nonfinite=self.nonfinite))
+        _flush(acc, out)
+        return count
 
     def clamped_diff_sum(self, now: torch.Tensor, before: torch.Tensor, low: float, high: float,
                          out: Sequence[torch.Tensor], weight: float = 1.0) -> int:
@@ -232,8 +267,8 @@ class ClippedGradients:
             return 0
         pair, count = finite_records(torch.stack([now, before], dim=1), self.nonfinite,
                                      "a clamped difference of per-record values")
-        clamped_now, clamped_before = pair.clamp(low, high).unbind(1)
-        out[0].add_((clamped_now - weight * clamped_before).sum())
+        clamped_now, clamped_before = pair.clamp(low, high).to(torch.float64).unbind(1)
+        out[0].add_((clamped_now - weight * clamped_before).sum())  # summed over records in float64
         return count
 
     def _micro_batches(self, *rows: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, ...]]:

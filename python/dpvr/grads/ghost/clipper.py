@@ -274,31 +274,34 @@ class GhostClipper:
         return "materialised" if not self.supported_layers else "mixed"
 
     def clipped_sum(self, inputs: Tensor, targets: Tensor, clip: float, *, weights: Tensor | None = None,
-                    params: Sequence[Tensor] | None = None) -> ClippedSum:
+                    params: Sequence[Tensor] | None = None, wide: bool = False) -> ClippedSum:
         """``sum_i c_i w_i g_i`` with ``g_i`` the gradient of sample i's loss at ``params`` (default: the
         model's own values) and ``c_i = min(1, C / ||w_i g_i||)`` by the rule of
         :func:`dpvr.ops.clip_accumulate`: each sample's contribution has norm at most ``clip``.
 
         ``weights`` (``(B,)``, the parameters' dtype and device) scale samples before the norm (DRO
-        re-weighting); the returned norms are ``||w_i g_i||``.
+        re-weighting); the returned norms are ``||w_i g_i||``. The sums are accumulated over records in
+        float64; ``wide=True`` returns them so (for a caller that keeps them in float64 until the noise is
+        added), else rounded once to the parameters' dtype.
         """
         batch = self._check_batch(inputs, targets, clip)
         weights = self._check_scalars(weights, "weights", batch)
         rec = self._record(inputs, targets, params, "params", keep=True)
         with _full_precision(self._device):
-            sums, norms = self._clip(self._parts(rec, None, None, None), clip, weights, batch)
+            sums, norms = self._clip(self._parts(rec, None, None, None), clip, weights, batch, wide)
         return ClippedSum(sums, norms, rec.losses, None)
 
     def clipped_diff_sum(self, inputs: Tensor, targets: Tensor, params_a: Sequence[Tensor],
                          params_b: Sequence[Tensor], clip: float, *, a: Tensor | None = None,
-                         b: Tensor | None = None) -> ClippedSum:
+                         b: Tensor | None = None, wide: bool = False) -> ClippedSum:
         """``sum_i c_i u_i`` with ``u_i = a_i g_i(params_a) - b_i g_i(params_b)``, gradients of the SAME
         sample at two points, and ``c_i = min(1, C / ||u_i||)`` by the rule of
         :func:`dpvr.ops.clip_accumulate_diff`: the difference is clipped per sample (never the difference of
         clipped terms), so each sample's contribution has norm at most ``clip``.
 
         ``a``, ``b``: optional ``(B,)`` per-sample scalars (default 1). ``losses`` and ``losses_b`` of the
-        result are the per-sample losses at ``params_a`` and ``params_b``.
+        result are the per-sample losses at ``params_a`` and ``params_b``. ``wide``: as for
+        :meth:`clipped_sum`.
         """
         batch = self._check_batch(inputs, targets, clip)
         a = self._check_scalars(a, "a", batch)
@@ -311,7 +314,7 @@ class GhostClipper:
             self._form_parts(rec_b)
         rec_a = self._record(inputs, targets, params_a, "params_a", keep=True)
         with _full_precision(self._device):
-            sums, norms = self._clip(self._parts(rec_a, rec_b, a, b), clip, None, batch)
+            sums, norms = self._clip(self._parts(rec_a, rec_b, a, b), clip, None, batch, wide)
         return ClippedSum(sums, norms, rec_a.losses, rec_b.losses)
 
     # ---- checks ----
@@ -616,7 +619,7 @@ class GhostClipper:
         return materialised or type(layer.rule).difference is GhostRule.difference
 
     def _clip(self, parts: list[tuple[int, Part | Tied]], clip: float, weights: Tensor | None,
-              batch: int) -> tuple[Grads, Tensor]:
+              batch: int, wide: bool = False) -> tuple[Grads, Tensor]:
         """The clipped sums of ``parts`` and the norms of the samples' vectors.
 
         The bound, in the parameters' dtype T (unit roundoff u): what is written for one sample alone (the
@@ -640,8 +643,13 @@ class GhostClipper:
            (a Tied part's rounding is all in its ``E_i``, step 2). So
            ``||w_i|| <= f' (||u_i|| + u ||u_i|| + E_i) <= (1 + u) f' N_i <= (1 + u)^2 C (1 - 2u) < C``.
 
-        The returned norms are the bounds ``n_i`` (times ``|w_i|``). Several samples' terms added into one
-        entry round like any floating-point accumulation, as in the fused kernels.
+        The returned norms are the bounds ``n_i`` (times ``|w_i|``).
+
+        Across records (the sums, :meth:`Outer.total` etc.): formed in float64 from the factors ``f'``
+        widened exactly, so a record's term is ``f' u_i`` up to the float64 roundings of the matmul, and
+        replacing one record moves the sum by at most ``2 clip`` plus float64 roundings of the partial sums
+        (relative ``2^-53`` per addition), not float32 ones. ``wide``: return the sums in float64 (to be
+        kept so until the noise is added); else they are rounded to T once.
         """
         dtype = self._dtype
         parts = [(k, p.coalesced() if isinstance(p, (Rows, Tied)) else p) for k, p in parts]
@@ -680,7 +688,15 @@ class GhostClipper:
             bad = torch.isnan(norms)  # factor 0, but 0 * NaN is NaN inside a matmul: clear their rows
             parts = [(k, p.drop(bad)) for k, p in parts]
         sums: list[Tensor | None] = [None] * len(self._named)
+        # The sums over records in float64, from the factors stored in T (widened exactly): a float32 sum
+        # rounds at the magnitude of its partial sums, so one record could move it by more than its clipped
+        # norm (by roundings that grow with the batch); in float64 these stay below 2^-53 of the partial
+        # sums. Rounded to T once, unless the caller keeps them in float64 (``wide``) until the noise.
+        wide_factors = factors.to(torch.float64)
         with torch.no_grad():
             for k, p in parts:
-                sums[k] = p.total(factors, self._named[k][1].shape)
-        return [torch.zeros_like(p) if s is None else s for s, (_, p) in zip(sums, self._named)], norms
+                total = p.total(wide_factors, self._named[k][1].shape)
+                sums[k] = total if wide else total.to(dtype)
+        zeros = torch.float64 if wide else dtype
+        return [torch.zeros_like(p, dtype=zeros) if s is None else s
+                for s, (_, p) in zip(sums, self._named)], norms

@@ -161,9 +161,10 @@ class ConvOuter(Outer):
         return _WEIGHT_GRADS[len(m.kernel_size)](x, shape, g, tuple(m.stride), padding, tuple(m.dilation))
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
+        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`)."""
         out = None
         for x, padding, g in self.convs:
-            term = self._weight_grad(x, scale_rows(g, f), padding, shape)
+            term = self._weight_grad(x.to(f.dtype), scale_rows(g.to(f.dtype), f), padding, shape)
             out = term if out is None else out.add_(term)
         return out
 

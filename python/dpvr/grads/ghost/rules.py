@@ -116,8 +116,11 @@ class Outer:
     by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
+        """``sum_i f_i u_i``, computed in ``f``'s dtype (the pieces are widened to it: a float64 ``f`` sums
+        over records in float64; see :meth:`GhostClipper._clip`)."""
         out = None
         for m, n in self.pieces:
+            m, n = m.to(f.dtype), n.to(f.dtype)
             # Scale the narrower side by the factors; one matmul contracts samples and steps together.
             m, n = (m, scale_rows(n, f)) if n.shape[-1] <= m.shape[-1] else (scale_rows(m, f), n)
             term = n.reshape(-1, n.shape[-1]).t() @ m.reshape(-1, m.shape[-1])
@@ -168,10 +171,11 @@ class Rows:
     unique: bool = False
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
+        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`)."""
         n0 = self.pieces[0][1]
-        out = torch.zeros(shape, dtype=n0.dtype, device=n0.device)
+        out = torch.zeros(shape, dtype=f.dtype, device=n0.device)
         for k, n in self.pieces:
-            out.index_add_(0, k.reshape(-1), scale_rows(n, f).reshape(-1, n.shape[-1]))
+            out.index_add_(0, k.reshape(-1), scale_rows(n.to(f.dtype), f).reshape(-1, n.shape[-1]))
         if self.skip is not None:
             out[self.skip] = 0
         return out
@@ -253,7 +257,8 @@ class Dense:
     u: Tensor
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
-        return (f @ self.u.reshape(self.u.shape[0], -1)).reshape(shape)
+        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`)."""
+        return (f @ self.u.reshape(self.u.shape[0], -1).to(f.dtype)).reshape(shape)
 
     def drop(self, bad: Tensor) -> Dense:
         return Dense(zero_rows(self.u, bad))
@@ -280,7 +285,7 @@ class Tied:
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
         out = self.outer.total(f, shape)
         for k, n in self.rows.pieces:
-            out.index_add_(0, k.reshape(-1), scale_rows(n, f).reshape(-1, n.shape[-1]))
+            out.index_add_(0, k.reshape(-1), scale_rows(n.to(f.dtype), f).reshape(-1, n.shape[-1]))
         return out
 
     def coalesced(self) -> Tied:

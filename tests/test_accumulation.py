@@ -1,0 +1,168 @@
+"""Sums over records hold their sensitivity in float32 models: accumulated in float64 on every path (the
+native kernels' three schedules, ghost clipping's matmuls, the materialised path, micro-batches) and kept in
+float64 until the noise is added.
+
+A float32 sum of ``n`` clipped terms rounds at the magnitude of its partial sums (up to ``n C``), so replacing
+one record could move it by ``2C`` plus roundings that grow with ``n``: at ``n = 10^5`` a float32 result
+moved by 2.0078C where 2C is priced. Here the records are extreme (every gradient far beyond the clip radius,
+so each clipped term has norm C exactly), either all aligned (the sum is ``n C``) or cancelling (the first
+half against the second, so the partial sums grow to ``n C / 2`` and fall back), and the neighbour replaces
+one record by its opposite (replace-one: at most 2C) or adds one (add/remove: at most C). Noise is off: the
+released value is the sum itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dpvr import ops
+from dpvr.optim import gradients as engine
+from dpvr.optim.gradients import ClippedGradients, accumulators
+
+N = 10**6  # records
+D = 4  # features: a tiny model keeps 10^6 records fast
+CLIP = 1.0
+HUGE = 1e3  # features of that size make every gradient far longer than CLIP
+SLACK = 1e-9  # relative: float64 roundings of sums of 10^6 terms of norm C stay far below this
+
+
+def _direction() -> torch.Tensor:
+    u = torch.tensor([3.0, 1.0, 2.0, 0.5], dtype=torch.float64)
+    return u / u.norm()
+
+
+def _records(n: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` float32 records of the regression ``0.5 (w.x - y)^2``: features ``HUGE * e``, targets
+    ``-/+HUGE^2`` whose sign sets the gradient's direction (``aligned``: all one sign; ``cancelling``:
+    the first half one sign, the second half the other)."""
+    x = (HUGE * _direction()).to(torch.float32).expand(n, D).contiguous()
+    y = torch.full((n,), -HUGE * HUGE, dtype=torch.float32)
+    if layout == "cancelling":
+        y[n // 2:] = HUGE * HUGE
+    return x, y
+
+
+def _neighbour(x: torch.Tensor, y: torch.Tensor, relation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace-one: record 7 with the opposite target (its clipped gradient flips: 2C apart); add/remove: one
+    more record, inserted at the front (every later record moves one place)."""
+    if relation == "replace-one":
+        y2 = y.clone()
+        y2[7] = -y2[7]
+        return x, y2
+    return torch.cat([x[:1], x]), torch.cat([-y[:1], y])
+
+
+def _model() -> nn.Module:
+    model = nn.Linear(D, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (output.squeeze() - target) ** 2
+
+
+def _bound(relation: str) -> float:
+    return (2.0 if relation == "replace-one" else 1.0) * CLIP
+
+
+def _gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(((s - t).double() ** 2).sum()) for s, t in zip(a, b)))
+
+
+# ---- the native kernel -------------------------------------------------------------------------------------
+def _kernel_grads(y: torch.Tensor) -> np.ndarray:
+    """The per-record gradients of the regression at w = 0: ``-y x``, float32."""
+    g = (-y.double()[:, None] * (HUGE * _direction())[None, :]).to(torch.float32)
+    return g.numpy()
+
+
+@pytest.mark.parametrize("relation", ["replace-one", "add-remove"])
+@pytest.mark.parametrize("layout", ["aligned", "cancelling"])
+def test_kernel_sum_of_a_million_float32_records_moves_by_at_most_the_priced_bound(relation, layout) -> None:
+    x, y = _records(N, layout)
+    _, y2 = _neighbour(x, y, relation)
+    sums = []
+    for targets in (y, y2):
+        out = np.zeros(D, dtype=np.float64)  # float64 accumulators beside float32 gradients
+        ops.clip_accumulate(_kernel_grads(targets), CLIP, out)
+        sums.append(out)
+    gap = float(np.linalg.norm(sums[0] - sums[1]))
+    assert gap <= _bound(relation) * (1 + SLACK), f"{relation}, {layout}: moved by {gap / CLIP:.6f} C"
+    # ... and the sum is the float64 sum of the clipped terms (each one record's own sum), not a float32 one.
+    term = np.zeros(D, dtype=np.float64)
+    ops.clip_accumulate(_kernel_grads(torch.tensor([-HUGE * HUGE])), CLIP, term)
+    exact = np.sign(-y.double().numpy()).sum() * term
+    assert np.linalg.norm(sums[0] - exact) <= (N + 64) * 2.0**-53 * N * CLIP  # float64: chain of N additions
+
+
+@pytest.mark.parametrize("batch, width", [(64, 9000), (3, 70000), (1000, 40)])
+def test_every_kernel_schedule_sums_over_records_in_float64(batch, width) -> None:
+    """Narrow (double accumulators), wide sample-parallel and column-parallel schedules: unclipped float32
+    terms of mixed magnitudes, whose float32 running sum would lose the small ones, summed as math.fsum
+    does to float64 accuracy."""
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal((batch, width)) * 10.0 ** rng.integers(-4, 5, (batch, 1))).astype(np.float32)
+    exact = np.array([math.fsum(col) for col in g.astype(np.float64).T])
+    scale = np.abs(g.astype(np.float64)).sum(axis=0)
+    for dtype in (np.float64, np.float32):
+        out = np.zeros(width, dtype=dtype)
+        ops.clip_accumulate(g, 1e30, out)  # nothing is clipped: the sum is the plain sum
+        # float64 out: float64 accuracy; float32 out: the float64 sum rounded once (half a unit of float32).
+        tol = 1e-12 * scale if dtype == np.float64 else 2.0**-24 * np.abs(exact) + 1e-12 * scale
+        assert np.all(np.abs(out - exact) <= tol), f"{batch}x{width} into {np.dtype(dtype).name}"
+
+
+def test_noisy_update_adds_a_float64_sum_to_float32_values_before_rounding() -> None:
+    """The release rounds to float32 once, after the noise: ``v + scale * sum`` from a float64 sum."""
+    v = np.zeros(3, dtype=np.float32)
+    total = np.array([1e5 + 0.375, -2.0**-30, 3.0], dtype=np.float64)
+    ops.noisy_update([v], generator=ops.NoiseGenerator(), stream="s", sigma=0.0, sum=[total], scale=0.5)
+    assert v.tolist() == [np.float32(0.5 * total[0]), np.float32(0.5 * total[1]), np.float32(1.5)]
+    with pytest.raises(TypeError, match="sum"):
+        ops.noisy_update([v.astype(np.float64)], generator=ops.NoiseGenerator(), stream="s",
+                         sigma=0.0, sum=[total.astype(np.float32)])
+
+
+# ---- ghost and materialised paths ------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["ghost", "materialised"])
+@pytest.mark.parametrize("relation", ["replace-one", "add-remove"])
+@pytest.mark.parametrize("layout", ["aligned", "cancelling"])
+def test_clipped_sum_of_a_million_float32_records_moves_by_at_most_the_priced_bound(mode, relation,
+                                                                                    layout) -> None:
+    model = _model()
+    x, y = _records(N, layout)
+    x2, y2 = _neighbour(x, y, relation)
+    sums = []
+    for inputs, targets in ((x, y), (x2, y2)):
+        gradients = ClippedGradients(model, _loss, mode=mode, chunk_size=N // 4)
+        out = accumulators([p.detach().reshape(-1) for p in model.parameters()])
+        gradients.sum(inputs, targets, CLIP, out)
+        sums.append(out)
+    gap = _gap(*sums)
+    assert gap <= _bound(relation) * (1 + SLACK), f"{mode}, {relation}, {layout}: moved by {gap / CLIP:.6f} C"
+
+
+def test_float32_out_gets_the_float64_sum_rounded_once() -> None:
+    """Callers that keep a float32 buffer get one rounding of the float64 sum (not one per micro-batch)."""
+    model = _model()
+    x, y = _records(1000, "aligned")
+    for mode in ("ghost", "materialised"):
+        out32 = [torch.zeros(D, dtype=torch.float32)]
+        out64 = accumulators(out32)
+        for out in (out32, out64):
+            ClippedGradients(model, _loss, mode=mode, chunk_size=7).sum(x, y, CLIP, out)
+        assert torch.equal(out32[0], out64[0].to(torch.float32)), mode
+
+
+def test_accumulators_are_float64_zeros_shaped_like_the_parameters() -> None:
+    acc = accumulators([torch.ones(3, dtype=torch.float32), torch.ones(2, 2)])
+    assert [(t.dtype, tuple(t.shape), float(t.abs().sum())) for t in acc] == [
+        (torch.float64, (3,), 0.0), (torch.float64, (2, 2), 0.0)]
+    assert engine._wide(acc)[0] is acc[0]
