@@ -168,11 +168,6 @@ class RunLedger:
         self.seq = release.seq
         return release
 
-    def adopt(self, other: RunLedger) -> None:
-        """Takes over ``other``'s knowledge of the run (an in-memory resume of the same run): its lineage,
-        with its file and the releases it saw."""
-        self._lineage = other._lineage
-
     def noise_context(self) -> bytes:
         """What every noise key of the next release is derived from besides the signal: the run, its
         segment and the release's sequence number, so that no two releases of a run share a key (on every
