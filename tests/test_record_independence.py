@@ -337,3 +337,60 @@ def test_a_class_weighted_mean_is_rewritten_with_a_public_normaliser() -> None:
     data = TensorDataset(torch.randn(48, 8), torch.zeros(48, dtype=torch.long))  # records share a class
     with pytest.warns(UserWarning, match="total class weight"):
         dpvr.make_private(nn.Linear(8, 3), criterion, data, **COMMON)
+
+
+def _zero_features(n: int = 48, d: int = 8) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.zeros(n, d), torch.randint(0, 3, (n,), generator=g))
+
+
+def test_identical_private_records_cannot_make_a_mixing_module_pass() -> None:
+    """All-zero probe records: replacing some of them by *other private records* (also zero) leaves the batch
+    mean at zero, so the old check passed the training-mode centring module; yet one record replaced in a
+    batch of 8 moves the clipped sum by 2.94 where 2C = 2 is priced. The replacements are now synthetic:
+    refused."""
+    data = _zero_features()
+    x, y = data.tensors
+    model = _CentredInTraining().train()
+    changed = x[:8].clone()
+    changed[0] = 100.0
+    torch.manual_seed(1)
+    a = _clipped_sum(model, CE, x[:8], y[:8])
+    torch.manual_seed(1)
+    b = _clipped_sum(model, CE, changed, y[:8])
+    assert float((a - b).norm()) > 2 * CLIP  # 2.94: one replaced record moves the sum beyond the bound 2C
+    with pytest.raises(ValueError, match="in training mode, a record's output depends on the other records"):
+        dpvr.make_private(_CentredInTraining(), nn.CrossEntropyLoss(), data, **COMMON)
+
+
+class _CentredInEvaluation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x - x.mean(0) if not self.training else x)
+
+
+def test_identical_private_records_cannot_hide_mixing_in_evaluation_mode() -> None:
+    """On all-zero records a record's output in a batch equals its output alone even when the module centres
+    the batch; synthetic records of the probe's shape show the mixing."""
+    with pytest.raises(ValueError, match="in evaluation mode, a record.s output depends on the other"):
+        dpvr.make_private(_CentredInEvaluation(), nn.CrossEntropyLoss(), _zero_features(), **COMMON)
+
+
+def test_synthetic_records_keep_shape_dtype_and_range_and_differ_from_a_constant_probe() -> None:
+    from dpvr.trainer.checks import _synthetic
+
+    model = nn.Sequential(nn.Embedding(50, 4))
+    tokens = torch.full((8, 5), 7, dtype=torch.int32)
+    drawn = _synthetic(model, tokens, 0)
+    assert drawn.shape == tokens.shape and drawn.dtype == torch.int32
+    assert int(drawn.min()) >= 7 and int(drawn.max()) <= 49 and len(drawn.unique()) > 1
+    images = torch.rand(8, 1, 4, 4, dtype=torch.float64)
+    drawn = _synthetic(model, images, 1)
+    assert drawn.dtype == torch.float64 and float(drawn.min()) >= float(images.min())
+    assert float(drawn.max()) <= float(images.max()) and not torch.equal(drawn, _synthetic(model, images, 2))
+    zeros = _synthetic(model, torch.zeros(8, 3), 0)
+    assert float(zeros.abs().max()) > 0.1  # a constant probe: the range is widened, never the probe itself

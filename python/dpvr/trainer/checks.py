@@ -9,10 +9,12 @@ every layer. :func:`check_model` refuses a model that breaks one of them, naming
 1. modules refused whatever the data (:func:`dpvr.trainer.validation.validate`), all listed at once;
 2. buffer or parameter writes in the forward pass, in training and in evaluation mode, seen on a copy of
    the model, so the user's model is never touched;
-3. independence in both modes: in evaluation mode, each record's output in a batch must equal its output
+3. independence in both modes, on the probe and on synthetic records (random, of the probe's shape, dtype
+   and range, from a public seed): in evaluation mode, each record's output in a batch must equal its output
    alone; in training mode, each record's output must not change when *other* records of the batch are
-   replaced, with the random number generators reset between the two passes so that dropout draws the same
-   masks (the same shapes draw the same numbers);
+   replaced by synthetic ones (several swaps, one of them a wholly synthetic batch), with the random number
+   generators reset between the two passes so that dropout draws the same masks (the same shapes draw the
+   same numbers);
 4. the gradient oracle, on a copy in evaluation mode at two batch sizes: the per-sample gradient norms and
    sums of the gradient engine the run will use must match ordinary autograd on one record at a time. This
    catches what a ghost rule misses (a parameter used outside its module, as in a tied output head, whose
@@ -104,32 +106,73 @@ def _owner(model: nn.Module, name: str) -> str:
 def _check_independent(model: nn.Module, inputs: Tensor) -> None:
     if len(inputs) < 2:
         return
-    model.eval()
     x = inputs[:8]
-    with torch.no_grad():
-        batched = _leaves(model(x), len(x))
-        alone = [_leaves(model(x[i : i + 1]), 1) for i in range(len(x))]
-    for k, leaf in enumerate(batched):
-        joined = torch.cat([a[k] for a in alone]) if all(len(a) > k for a in alone) else None
-        if joined is not None and joined.shape == leaf.shape and not _close(leaf, joined):
-            raise ValueError(_MIXES.format(mode="evaluation", how="its output in a batch differs from its "
-                                           "output alone (batch statistics, e.g. x - x.mean(0)?)"))
-    # Training mode: replace the second half of the batch by other records, same generator state.
+    synthetic = [_synthetic(model, x, k) for k in range(3)]  # public records: the probe's shape and range
+    model.eval()
+    for batch in (x, synthetic[0]):
+        with torch.no_grad():
+            batched = _leaves(model(batch), len(batch))
+            alone = [_leaves(model(batch[i : i + 1]), 1) for i in range(len(batch))]
+        for k, leaf in enumerate(batched):
+            joined = torch.cat([a[k] for a in alone]) if all(len(a) > k for a in alone) else None
+            if joined is not None and joined.shape == leaf.shape and not _close(leaf, joined):
+                raise ValueError(_MIXES.format(
+                    mode="evaluation",
+                    how="its output in a batch differs from its output alone (batch statistics, e.g. "
+                    "x - x.mean(0)?)",
+                ))
+    # Training mode: the first half of a batch keeps its records while the second half is replaced, with the
+    # generators in the same state (dropout draws the same masks). The replacements are synthetic, never
+    # other private records: identical or degenerate private records (all-zero features, a constant
+    # column) would leave batch statistics unchanged and let a mixing module pass. Several swaps: private
+    # records kept with their own others replaced, private records kept between two synthetic halves, and a
+    # wholly synthetic batch, so the check does not rest on any property of the private data.
     half = max(1, len(x) // 2)
-    others = inputs[len(x) : len(x) + len(x) - half]
-    if len(others) < len(x) - half:
-        others = torch.flip(x[half:], dims=[0])
-    swapped = torch.cat([x[:half], others])
+    swaps = [
+        (x[:half], x[half:], synthetic[1][half:]),
+        (x[:half], synthetic[1][half:], synthetic[2][half:]),
+        (synthetic[0][:half], synthetic[1][half:], synthetic[2][half:]),
+    ]
     model.train()
-    with torch.no_grad():
-        first = _leaves(_seeded(model, x), len(x))
-        second = _leaves(_seeded(model, swapped), len(x))
-    for a, b in zip(first, second):
-        if a.shape == b.shape and not _close(a[:half], b[:half]):
-            raise ValueError(_MIXES.format(
-                mode="training",
-                how="its output changes when other records of its batch are replaced (batch statistics?)",
-            ))
+    for kept, before, after in swaps:
+        with torch.no_grad():
+            first = _leaves(_seeded(model, torch.cat([kept, before])), len(x))
+            second = _leaves(_seeded(model, torch.cat([kept, after])), len(x))
+        for a, b in zip(first, second):
+            if a.shape == b.shape and not _close(a[:half], b[:half]):
+                raise ValueError(_MIXES.format(
+                    mode="training",
+                    how="its output changes when other records of its batch are replaced (batch statistics?)",
+                ))
+
+
+def _synthetic(model: nn.Module, like: Tensor, k: int) -> Tensor:
+    """``len(like)`` random records of ``like``'s shape, dtype and device from a fixed public seed (the
+    ``k``-th set): floating values uniform over the probe's range (widened to ``[lo - 1, hi + 1]`` where the
+    probe is constant, so that they always differ from it), integers (tokens) uniform over the probe's range
+    up to the smallest vocabulary of the model's embeddings, booleans fair coins."""
+    g = torch.Generator().manual_seed(_SEED + 1 + k)
+    if like.dtype == torch.bool:
+        return (torch.rand(like.shape, generator=g) < 0.5).to(like.device)
+    if like.is_floating_point():
+        finite = like[torch.isfinite(like)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (-1.0, 1.0)
+        if hi - lo <= 1e-6 * (1 + abs(lo) + abs(hi)):
+            lo, hi = lo - 1.0, hi + 1.0
+        values = lo + (hi - lo) * torch.rand(like.shape, generator=g, dtype=torch.float64)
+        return values.to(dtype=like.dtype, device=like.device)
+    if like.is_complex():
+        return torch.randn(like.shape, generator=g, dtype=like.dtype).to(like.device)
+    lo, hi = int(like.min()), int(like.max())
+    tables = (nn.Embedding, nn.EmbeddingBag)
+    vocabularies = [m.num_embeddings for m in model.modules() if isinstance(m, tables)]
+    top = min(vocabularies) - 1 if vocabularies else None
+    if top is not None:
+        hi = max(hi, top)
+    if hi <= lo:  # a constant probe: widen by one token where the vocabulary allows, else below
+        lo, hi = (lo - 1, lo) if top is not None and lo >= top and lo > 0 else (lo, lo + 1)
+    values = torch.randint(lo, hi + 1, like.shape, generator=g, dtype=torch.int64)
+    return values.to(dtype=like.dtype, device=like.device)
 
 
 _MIXES = (
@@ -153,8 +196,13 @@ def _leaves(output: object, batch: int) -> list[Tensor]:
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
-    scale = 1e-4 * (1 + float(b.abs().max())) if b.numel() else 0.0
-    return bool(((a - b).abs() <= scale).all()) if a.numel() else True
+    """Equal up to a tolerance relative to ``b``'s largest finite value; non-finite values must agree."""
+    if not a.numel():
+        return True
+    finite = b[torch.isfinite(b)]
+    scale = 1e-4 * (1 + float(finite.abs().max())) if finite.numel() else 0.0
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    return bool((same | ((a - b).abs() <= scale)).all())
 
 
 # ---- 4. the gradient oracle -------------------------------------------------------------------------------
