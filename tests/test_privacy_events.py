@@ -86,7 +86,9 @@ def test_spider_streams():
     streams = {s.name: s for s in recursive(dict.fromkeys(recursive.streams, 1.0)).streams}
     assert list(streams) == ["v-refresh", "v-difference", "u-refresh", "u-difference", "s"]
     assert streams["s"].count == 95 and streams["s"].sampling == Sampling("wor", 1 / 1000, 1000)
-    poisson = RecursiveSpiderPlan(1000, 95, 10, (500, 32, 500, 32), sampling="poisson", neighbouring="add-remove")
+    poisson = RecursiveSpiderPlan(
+        1000, 95, 10, (500, 32, 500, 32), sampling="poisson", neighbouring="add-remove"
+    )
     with pytest.raises(ValueError, match="add-remove.*'v-refresh', 'u-refresh'.*private"):  # n divides them
         RecursiveSpiderPlan(1000, 95, 10, (1000, 32, 1000, 32), sampling="poisson", neighbouring="add-remove")
     streams = {s.name: s for s in poisson(dict.fromkeys(poisson.streams, 1.0)).streams}
