@@ -299,11 +299,19 @@ def _batch_size(config: Config, n: int) -> int:
 
 
 def build_dpsgd(data: Shard, config: Config, cls: type = DPSGD) -> PrivateAlgorithm:
+    """DP-SGD on ``data``. Under add/remove the size of ``D`` (``config["n"]``) is stated public on both
+    sides, so ``D'`` (one record more) is planned from it too; with ``config["epsilon"]`` the noise is
+    calibrated (where a size read from the data would show as a different noise std on ``D'``)."""
     x, y = data
-    options = _settings(config, neighbouring=config.get("relation"))
+    privacy: dict[str, Any] = {"neighbouring": config.get("relation")}
+    if config.get("relation") == ADD_REMOVE:
+        privacy["public_dataset_size"] = config.get("n")
+    if "epsilon" in config:
+        privacy["epsilon"] = config["epsilon"]
+    options = _settings(config, **privacy)
     if options.get("sampling") == "cyclic":  # the last-iterate bound needs the loss's curvature constants
         options = {"weak_convexity": 0.0, "smoothness": 1.0, "bound": "best", **options}
-    noise = _noise(["gradient"], config)
+    noise = {} if "epsilon" in config else _noise(["gradient"], config)
     model = REGRESSION.model(config.get("bias", True))
     return cls(model, REGRESSION.loss, x, y, **noise, **options)
 

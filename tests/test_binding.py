@@ -33,7 +33,8 @@ def _model() -> torch.nn.Module:
 
 def test_dpsgds_binding_is_its_declared_settings_plan_noise_and_shapes():
     x, y = _data()
-    alg = DPSGD(_model(), _squared, x, y, lr=0.1, clip=1.0, steps=2, batch_size=4, noise=1.0)
+    alg = DPSGD(_model(), _squared, x, y, lr=0.1, clip=1.0, steps=2, batch_size=4, noise=1.0,
+                privacy=PrivacyConfig(public_dataset_size=12))
     assert alg.binding(data=False) == {
         "algorithm": "DP-SGD",
         "noise.gradient": 1.0,

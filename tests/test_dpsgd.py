@@ -65,6 +65,8 @@ def test_sampled_dp_sgd_accounts_each_step(sampling):
         batch_size=8,
         sampling=sampling,
         noise=1.2,
+        # Poisson under add/remove needs the dataset size stated public; WOR is replace-one only.
+        privacy=PrivacyConfig(public_dataset_size=len(x) if sampling == "poisson" else None),
         runtime=RuntimeConfig(generator=gen(), sampler_seed=0),
     )
     alg.run(progress=False)

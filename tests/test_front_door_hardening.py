@@ -422,6 +422,7 @@ def test_one_epoch_of_random_allocation_is_charged_as_one() -> None:
         clip=1.0,
         lr=0.1,
         sampling="random-allocation",
+        public_dataset_size=n,
     )
     sampler = trainer.algorithm.sampler
     assert trainer.steps_per_epoch == trainer.total_steps == sampler.steps_per_epoch == 7

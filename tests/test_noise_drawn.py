@@ -122,7 +122,8 @@ DPSGD_CASES = {
 def test_dpsgd_draws_the_priced_noise(sampling):
     options, b = DPSGD_CASES[sampling]
     relation = "add-remove" if sampling in ("poisson", "random-allocation") else REPLACE_ONE
-    config = _config({**options, "lr": 0.05, "clip": 2.0, "steps": 40}, relation=relation, accountant="pld")
+    config = _config({**options, "lr": 0.05, "clip": 2.0, "steps": 40}, relation=relation, accountant="pld",
+                     n=32)  # under add/remove the size is stated public
     if sampling == "cyclic":
         config["accountant"] = "rdp"
     alg = harness.build_dpsgd(_data(32, harness.REGRESSION), config)

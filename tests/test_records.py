@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import dpvr
-from dpvr.optim import DIFF2, DPGD, DPSGD, DatasetRecords, RuntimeConfig, TensorRecords
+from dpvr.optim import DIFF2, DPGD, DPSGD, DatasetRecords, PrivacyConfig, RuntimeConfig, TensorRecords
 from dpvr.optim.records import FINGERPRINT_RECORDS, PROBE
 from dpvr.optim.sampling import BatchSampler, batch_rows
 from dpvr.trainer.data import dataset_records
@@ -418,7 +418,7 @@ def _algorithms():
         ), (unit, binary.double())),
         "random-allocation": (lambda r: DPSGD(
             model_fn(), loss, r, lr=0.3, clip=0.5, steps=5, batch_size=6, sampling="random-allocation",
-            noise=1.0, runtime=runtime(),
+            noise=1.0, runtime=runtime(), privacy=PrivacyConfig(public_dataset_size=24),
         ), (x, x[:, 0])),
         "double-spider": (lambda r: DoubleSpider(
             classifier(), cross_entropy, r, divergence=ChiSquare(), lam=1.0, steps=5, restart=3,

@@ -158,6 +158,7 @@ def test_default_neighbouring_is_the_algorithm_classs(name, sampling):
         clip=1.0,
         steps=1,
         noise=1.0,
+        privacy=PrivacyConfig(public_dataset_size=8),  # as the command line's --dataset-size states it
         **options,
     )
     spec = REGISTRY[name]

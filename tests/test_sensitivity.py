@@ -377,6 +377,23 @@ def test_full_batch_under_add_remove_is_refused_or_private():
         harness.assert_within_sensitivity(outcome)
 
 
+@pytest.mark.parametrize(("sampling", "n", "batch"), [("poisson", 21, 2), ("random-allocation", 21, 2)])
+def test_a_record_more_changes_no_release_shape_under_add_remove(sampling, n, batch):
+    """Under add/remove the dataset size is private: ``D'`` has one record more (``n = 21`` against 22,
+    ``b = 2``: random allocation's epoch would be ``round(n / b)`` = 10 against 11, its divisor 2 against 2,
+    and the calibrated noise multiplier would follow the rate ``b / n``). With the size stated public, every
+    release on ``D'`` has ``D``'s noise std and stays within ``C`` of it, noise calibrated to epsilon."""
+    config = {
+        "n": n, "seed": 3, "index": 0, "adversary": "opposed", "relation": ADD_REMOVE, "epsilon": 1.0,
+        "accountant": "pld",
+        "options": {"sampling": sampling, "batch_size": batch, "lr": 0.1, "clip": 1.0, "steps": 12},
+    }  # fmt: skip
+    outcome = harness.lockstep(ALGORITHMS["dp-sgd"], config)
+    harness.assert_within_sensitivity(outcome)
+    assert outcome.algorithm.plan.dataset_size == n
+    assert max(outcome.ratios().values()) > 0.5  # the added record was drawn and moved a release
+
+
 # ---- accounting -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @given(data=st.data())

@@ -199,9 +199,10 @@ def test_an_lstm_and_a_small_cnn_clip_in_auto_mode_as_a_per_record_loop(digits, 
     clipped sum that one backward pass per record, clipped and added, gives; and a run steps on it."""
     dataset, *_ = digits
     x, y = dataset.tensors
-    # RDP: this test is about the clipped sums, not the accounting, and PLD's calibration at this sampling
-    # rate takes seconds
-    model, trainer = _auto_mode_trainer(dataset, kind, batch_size=32, steps=2, accountant="rdp")
+    # RDP (Poisson under add/remove, the size stated public): this test is about the clipped sums, not the
+    # accounting, and PLD's calibration at this sampling rate takes seconds
+    model, trainer = _auto_mode_trainer(dataset, kind, batch_size=32, steps=2, accountant="rdp",
+                                        public_dataset_size=len(dataset))
     gradients = trainer.algorithm.gradients
     assert gradients.mode in ("ghost", "mixed")
     params = [p for p in model.parameters() if p.requires_grad]

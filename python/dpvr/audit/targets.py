@@ -104,6 +104,7 @@ class CanaryGame:
     noise_form: Literal["multipliers", "sigmas", "multiplier"] = "multipliers"
     audited: tuple[str, ...] = ()
     trials: int = 4000
+    public_dataset_size: int | None = None
 
     def _build(
         self,
@@ -120,7 +121,8 @@ class CanaryGame:
         (with the ``"rdp"`` accountant: a fast probe)."""
         return algorithm(
             self.model(), self.loss, *self.data[side], **self.settings, **options,
-            privacy=PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant or self.accountant),
+            privacy=PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant or self.accountant,
+                                  public_dataset_size=self.public_dataset_size),
             runtime=RuntimeConfig(generator=generator, sampler_seed=seed),
         )  # fmt: skip
 
@@ -233,9 +235,10 @@ GAMES: tuple[CanaryGame, ...] = (
     # ---- DP-(S)GD: 8 one-feature records, lr 1, scored by how far the last iterate moved against e --------
     CanaryGame(
         "dp-sgd", "DP-SGD", "DP-SGD (Poisson, add/remove), white-box gradient canary", DPSGD, _REMOVED,
-        # Poisson sampling at rate 1/2; the batch size is a public normaliser, the same without the canary.
+        # Poisson sampling at rate 1/2 of the public size 8 (the canary's side's): the rate, the calibrated
+        # noise and the normaliser are the same on the side without the canary, whose size is private.
         {"lr": 1.0, "clip": 1.0, "steps": 2, "batch_size": 4, "sampling": "poisson"},
-        accountant="rdp", noise_form="multiplier", trials=2000,
+        accountant="rdp", noise_form="multiplier", trials=2000, public_dataset_size=len(_REMOVED[0][0]),
     ),
     CanaryGame(
         "dp-gd", "DP-GD", "DP-GD (replace-one), white-box gradient canary", DPGD, _MIRRORED,

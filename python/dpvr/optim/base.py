@@ -117,6 +117,7 @@ class PrivateAlgorithm(Guarded):
         for name, config, kind in (("privacy", privacy, PrivacyConfig), ("runtime", runtime, RuntimeConfig)):
             if not isinstance(config, kind):
                 raise TypeError(f"{name}: expected a {kind.__name__}, got {type(config).__name__}")
+        _check_public_size(self.name, plan, privacy.public_dataset_size)
         self.privacy, self.runtime = privacy, runtime
         self.nonfinite = runtime.nonfinite
         self.model, self.loss_fn, self.plan = model, loss_fn, plan
@@ -430,6 +431,20 @@ class PrivateAlgorithm(Guarded):
         state = read_checkpoint(path, self.name)
         self._check_state(state)
         self._resume(state, self.guard.ledger_of(state["ledger"], path))
+
+
+def _check_public_size(name: str, plan: Plan, stated: int | None) -> None:
+    """Refuses a stated public dataset size that the plan does not account (a setting never ignored)."""
+    if stated is None:
+        return
+    planned = getattr(plan, "dataset_size", None)
+    if planned is None:
+        raise ValueError(f"public_dataset_size: {name}'s accounting reads no dataset size; leave it unset")
+    if planned != stated:
+        raise ValueError(
+            f"public_dataset_size={stated}: {name}'s plan accounts a dataset of {planned} records under "
+            f"{plan.neighbouring} (under replace-one the size is public by definition and is the data's own)"
+        )
 
 
 def _check_tensors(name: str, given: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:

@@ -8,12 +8,13 @@ groups are what is left over, declared once here instead of in every constructor
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..ops import NoiseGenerator, PredictableNoiseError, check_nonfinite
-from ..privacy.relations import ACCOUNTANTS
+from ..privacy.relations import ACCOUNTANTS, ADD_REMOVE, REPLACE_ONE, check_neighbouring
 from .gradients import MODES
 
 CALIBRATIONS = ("tight", "paper")
@@ -41,14 +42,26 @@ class PrivacyConfig:
         shares: how a multi-stream calibration splits the budget (``{stream: weight}``); ``None`` (default):
             equal; ``"auto"``: the split that minimises the error proxy of :mod:`dpvr.privacy.allocation`
             (public inputs).
-        neighbouring: ``"replace-one"`` or ``"add-remove"``; ``None`` (default) takes the algorithm's default
-            (the relation its paper states, or add/remove for Poisson DP-SGD).
+        neighbouring: ``"replace-one"`` or ``"add-remove"``; ``None`` (default) takes the algorithm's default:
+            the relation its paper states; for Poisson DP-SGD add/remove when ``public_dataset_size`` is
+            given, else replace-one (see below); random allocation is accounted under add/remove only.
+        public_dataset_size: the dataset size ``N`` that is *public*: every quantity that shapes a release
+            under add/remove (the sampling rate ``b / N``, random allocation's epoch ``round(N / b)`` and
+            divisor, the steps an ``epochs`` count makes, the calibrated noise, theorem-derived defaults)
+            reads ``N``, never the size of the data, which add/remove adjacency makes private (one record
+            more or less must not change the shape of any release). Giving it asserts that ``N`` is known
+            to everyone without looking at the data (a published dataset size, a size fixed by design), and
+            the guarantee then holds for every dataset, of any size, the run is given. Under replace-one the
+            size is public by definition (neighbours have the same size): there it must equal the data's.
+            ``None`` (default): no public size; Poisson DP-SGD is then accounted under replace-one (where
+            ``n`` is public), which needs more noise at the same epsilon (e.g. 2.84 against 1.83 at noise
+            multiplier 1, rate 0.01, 1000 steps, delta 1e-5), and add/remove is refused.
         paper_options: the constants of ``calibration="paper"``'s closed form, e.g. DIFF2's ``{"u": 1.25}``;
             default none.
 
     Raises:
-        ValueError: ``epsilon <= 0``, ``delta`` outside ``(0, 1)``, or an unknown ``accountant`` or
-            ``calibration``.
+        ValueError: ``epsilon <= 0``, ``delta`` outside ``(0, 1)``, an unknown ``accountant``,
+            ``calibration`` or ``neighbouring``, or ``public_dataset_size`` not a whole number >= 1.
     """
 
     epsilon: float | None = None
@@ -57,6 +70,7 @@ class PrivacyConfig:
     calibration: str = "tight"
     shares: Mapping[str, float] | Literal["auto"] | None = None
     neighbouring: str | None = None
+    public_dataset_size: int | None = None
     paper_options: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,6 +82,61 @@ class PrivacyConfig:
             raise ValueError(f"accountant: must be one of {ACCOUNTANTS}, got {self.accountant!r}")
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"calibration: must be one of {CALIBRATIONS}, got {self.calibration!r}")
+        if self.neighbouring is not None:
+            check_neighbouring(self.neighbouring)
+        size = self.public_dataset_size
+        whole = isinstance(size, numbers.Integral) and not isinstance(size, bool)
+        if size is not None and not (whole and size >= 1):
+            raise ValueError(f"public_dataset_size: must be a whole number >= 1, got {size!r}")
+
+    def dataset_size(self, records: int, *, default: str, sampling: str | None = None) -> tuple[str, int]:
+        """The neighbouring relation in force and the dataset size every release's shape reads, for a run
+        over ``records`` records whose plan defaults to the relation ``default`` (for ``sampling``).
+
+        Under replace-one the size is public by definition: the data's own ``records`` (a
+        ``public_dataset_size`` that differs is refused). Under add/remove it is ``public_dataset_size``,
+        never ``records``; without one, a plan that defaults to add/remove is accounted under replace-one
+        where it can be (Poisson sampling) and refused where it cannot (random allocation), and an explicit
+        ``neighbouring="add-remove"`` is refused.
+
+        Raises:
+            ValueError: as above, each with the fix.
+        """
+        stated = self.public_dataset_size
+        relation = self.neighbouring or default
+        if relation == ADD_REMOVE and sampling == "full":
+            raise ValueError(
+                "sampling='full' with neighbouring='add-remove': the full-batch mean divides by the dataset "
+                "size, which is private under add/remove (it moves the mean by ~2C/n and changes the noise "
+                "std); use neighbouring='replace-one' (n is public) or sampling='poisson'"
+            )
+        if relation == ADD_REMOVE and stated is None:
+            if self.neighbouring is None and sampling != "random-allocation":
+                if self.accountant == "rdp":
+                    raise ValueError(
+                        f"accountant='rdp' prices sampling={sampling!r} only under add/remove, where the "
+                        "dataset size is private: state it public with public_dataset_size=N, or use "
+                        "accountant='pld' (replace-one, the data's size public by definition)"
+                    )
+                relation = REPLACE_ONE
+            else:
+                what = f"sampling={sampling!r}" if self.neighbouring is None else "neighbouring='add-remove'"
+                raise ValueError(
+                    f"{what}: under add/remove adjacency the dataset size is private, and every release's "
+                    "shape (sampling rate, epoch length, divisor, steps, noise) would read it; state the "
+                    "size as public with PrivacyConfig(public_dataset_size=N) (make_private("
+                    "public_dataset_size=N)), which asserts N is known without the data"
+                    + ("" if sampling == "random-allocation" else ", or account under replace-one")
+                )
+        if relation == REPLACE_ONE:
+            if stated is not None and stated != records:
+                raise ValueError(
+                    f"public_dataset_size={stated}: under replace-one the dataset size is public by "
+                    f"definition and is the data's own ({records} records); neighbouring='add-remove' is the "
+                    "relation in which a public size may differ from the data's"
+                )
+            return relation, records
+        return relation, stated
 
 
 @dataclass(frozen=True)
@@ -129,10 +198,10 @@ def bound_fields(config: PrivacyConfig | RuntimeConfig) -> dict[str, Any]:
     """The fields of a config that shape what a run releases (the checkpoint binding's share of it).
 
     Unbound: the budget and how noise was calibrated (the noise multipliers are bound themselves), the
-    accountant, the noise source and sampler seeds (restored from the state). The neighbouring relation is
-    bound through the plan."""
+    accountant, the noise source and sampler seeds (restored from the state). The neighbouring relation and
+    the public dataset size are bound through the plan."""
     unbound = {"epsilon", "delta", "accountant", "calibration", "shares", "paper_options", "neighbouring",
-               "generator", "sampler_seed"}
+               "public_dataset_size", "generator", "sampler_seed"}
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in unbound}
 
 

@@ -32,10 +32,13 @@ class DPSGD(PrivateAlgorithm):
     ``N(0, (z * clip)^2 I)`` to the sum and steps ``x <- x - lr * noisy_sum / batch_size`` (the public,
     expected batch size).
 
-    Normalisers must be public under the relation in force. Under add/remove the dataset size ``n`` is
-    private, so a full batch (DP-GD) would divide by it: that combination is refused. Poisson sampling
-    divides by the public ``batch_size``; its rate ``batch_size / n`` uses ``n`` as the usual convention
-    does (Abadi et al., Opacus), which assumes the dataset size is known, as the accountant's rate is.
+    What shapes a release is public under the relation in force. Under add/remove the dataset size ``n``
+    is private: the sampling rate ``batch_size / N``, random allocation's epoch and divisor, and the noise
+    calibrated to them read the public size ``N = privacy.public_dataset_size`` (required for add/remove),
+    never ``len(inputs)``; a full batch (DP-GD), whose mean divides by ``n``, is refused. Without a public
+    size, Poisson sampling is accounted under replace-one, where ``n`` is public by definition
+    (:meth:`dpvr.optim.PrivacyConfig.dataset_size`). Opacus and most libraries take the rate from
+    ``len(dataset)`` under add/remove, which makes every release's noise scale depend on the private size.
 
     ``sampling="cyclic"`` is Algorithm 1 of Kong & Ribero: disjoint batches in a fixed order,
     ``x <- prox_{lr h}(x - lr g + N(0, sigma^2 I))`` with ``h`` given by ``prox``, and only the *last
@@ -136,16 +139,16 @@ class DPSGD(PrivateAlgorithm):
         if optimizer is not None and sampling == "cyclic":
             raise ValueError("optimizer: the last-iterate bound is proved for the (proximal) SGD step only")
         lr = step_size(lr, optimizer)
+        # Every quantity that shapes a release reads the public size: the data's own under replace-one, the
+        # stated one under add/remove (where len(records) is private).
         n = len(records)
-        neighbouring = privacy.neighbouring or events.DPSGDPlan.default_neighbouring(sampling)
-        if sampling == "full" and neighbouring == "add-remove":
-            raise ValueError(
-                "sampling='full' with neighbouring='add-remove': the full-batch mean divides by the dataset "
-                "size, which is private under add/remove (it moves the mean by ~2C/n and changes the noise "
-                "std); use neighbouring='replace-one' (n is public) or sampling='poisson'"
-            )
+        neighbouring, public = privacy.dataset_size(
+            n, default=events.DPSGDPlan.default_neighbouring(sampling), sampling=sampling
+        )
         self.last_iterate_only = sampling == "cyclic"
         if self.last_iterate_only:
+            if neighbouring != "replace-one":
+                raise ValueError("sampling='cyclic': the last-iterate bound is proved under replace-one only")
             # Cyclic traversal is accounted as a whole by the last-iterate bound, not per sampled release.
             self.sampler = BatchSampler("cyclic", n, batch_size, runtime.sampler_seed)
             if weak_convexity is None or smoothness is None:
@@ -169,10 +172,12 @@ class DPSGD(PrivateAlgorithm):
                 steps=steps,
                 sampling=sampling,
                 batch_size=n if sampling == "full" else batch_size,
-                dataset_size=n,
+                dataset_size=public,
                 neighbouring=neighbouring,
             )
-            self.sampler = BatchSampler.for_stream(plan, "gradient", n, runtime.sampler_seed)
+            self.sampler = BatchSampler.for_stream(
+                plan, "gradient", n, runtime.sampler_seed, public_size=public
+            )
         check_loss(model, loss_fn, *records.probe(1))
         super().__init__(
             model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,

@@ -59,13 +59,21 @@ def steps_per_epoch(scheme: str, n: int, batch_size: float | None = None) -> int
 class BatchSampler:
     """Draws the indices of one step's batch from ``range(n)``.
 
-    ``"poisson"``: each record independently with probability ``batch_size / n`` (the batch size varies);
+    What shapes a release reads the *public* size ``public_size`` (default ``n``), never ``n``: the
+    Poisson rate ``batch_size / public_size``, random allocation's epoch ``round(public_size / batch_size)``
+    and its divisor, and the normaliser :attr:`batch_size`. Under add/remove adjacency ``n`` is private and
+    the two may differ (a neighbouring dataset has one record more or less; its batches are drawn at the
+    same rate, into the same epochs, divided by the same normaliser); the fixed-size, full and cyclic
+    schemes are accounted under replace-one, where the size is public by definition: there they are equal.
+
+    ``"poisson"``: each record independently with probability ``batch_size / public_size`` (the batch size
+    varies);
     ``"wor"``: ``batch_size`` distinct records uniformly at random; ``"full"``: every record;
     ``"cyclic"``: consecutive disjoint batches in a fixed order (the last-iterate accountant's traversal);
-    ``"random-allocation"``: epochs of ``t = round(n / batch_size)`` steps; at the start of each epoch every
-    record is allocated to one of its steps uniformly at random, independently of the others, and step ``j``
-    draws the records allocated to it (the batch size varies; ``batch_size`` becomes the public normaliser
-    ``round(n / t)``).
+    ``"random-allocation"``: epochs of ``t = round(public_size / batch_size)`` steps; at the start of each
+    epoch every record is allocated to one of its steps uniformly at random, independently of the others,
+    and step ``j`` draws the records allocated to it (the batch size varies; ``batch_size`` becomes the
+    public normaliser ``round(public_size / t)``).
 
     Drawing ahead: :meth:`draw_ahead` draws the next index set now and keeps it *pending* (:attr:`pending`)
     until :meth:`draw` returns it, so that a loader can prefetch the records of batches the algorithm has not
@@ -76,19 +84,33 @@ class BatchSampler:
     loader that what it drew ahead is void.
     """
 
-    def __init__(self, scheme: str, n: int, batch_size: int | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        scheme: str,
+        n: int,
+        batch_size: float | None = None,
+        seed: int | None = None,
+        *,
+        public_size: int | None = None,
+    ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"sampling: must be one of {SCHEMES}, got {scheme!r}")
         if n < 1:
             raise ValueError(f"dataset size must be >= 1, got {n}")
+        public = n if public_size is None else public_size
+        if public != n and scheme not in ("poisson", "random-allocation"):
+            raise ValueError(
+                f"sampling={scheme!r} is accounted under replace-one, where the dataset size is the data's "
+                f"own ({n} records), not a public size of {public}"
+            )
         if scheme == "full":
             batch_size = n
-        epoch = steps_per_epoch(scheme, n, batch_size)  # also checks batch_size
+        epoch = steps_per_epoch(scheme, public, batch_size)  # also checks batch_size
         # Random allocation's epoch shapes the draws (and the accounting); the other schemes have none.
         self.steps_per_epoch = epoch if scheme == "random-allocation" else None
         if self.steps_per_epoch is not None:
-            batch_size = round(n / self.steps_per_epoch)
-        self.scheme, self.n, self.batch_size = scheme, n, batch_size
+            batch_size = round(public / self.steps_per_epoch)
+        self.scheme, self.n, self.batch_size, self.public_size = scheme, n, batch_size, public
         self._rng = np.random.default_rng(
             seed if seed is not None else int.from_bytes(os.urandom(8), "little")
         )
@@ -98,30 +120,42 @@ class BatchSampler:
         self.generation = 0  # bumped whenever the state is replaced
 
     @classmethod
-    def for_stream(cls, plan: Plan, stream: str, dataset_size: int, seed: int | None = None) -> BatchSampler:
+    def for_stream(
+        cls,
+        plan: Plan,
+        stream: str,
+        dataset_size: int,
+        seed: int | None = None,
+        *,
+        public_size: int | None = None,
+    ) -> BatchSampler:
         """The sampler of ``stream``, built from the accountant's own description of that stream
         (:meth:`Plan.stream_sampling`), so that what is drawn is what is charged.
 
         ``dataset_size`` is the number of records this sampler draws from: the plan's, or a client's shard
-        that holds at least as many (the plan then charges the largest rate, the worst case). A sampler that
-        would draw at a higher rate than charged is refused."""
+        that holds at least as many (the plan then charges the largest rate, the worst case).
+        ``public_size`` is the public size the plan was made for under add/remove (default
+        ``dataset_size``): the rate, epoch and normaliser are the plan's, whatever ``dataset_size``. A
+        sampler that would draw at a higher rate than charged is refused."""
         charged = plan.stream_sampling(stream)
+        public = dataset_size if public_size is None else public_size
         if charged.scheme == "full":
             return cls("full", dataset_size, seed=seed)
         if charged.scheme == "random-allocation":
             # An epoch of t steps is what is charged; a larger shard keeps t (each record still in one step).
-            sampler = cls(charged.scheme, dataset_size, dataset_size / charged.steps_per_epoch, seed)
+            sampler = cls(charged.scheme, dataset_size, public / charged.steps_per_epoch, seed,
+                          public_size=public)
             if sampler.steps_per_epoch != charged.steps_per_epoch:
                 raise ValueError(
-                    f"stream {stream!r}: {dataset_size} records cannot be allocated to epochs of the "
+                    f"stream {stream!r}: {public} records cannot be allocated to epochs of the "
                     f"{charged.steps_per_epoch} steps the plan charges"
                 )
             return sampler
-        batch = charged.batch_size if charged.scheme == "wor" else round(charged.rate * dataset_size)
-        sampler = cls(charged.scheme, dataset_size, batch, seed)
+        batch = charged.batch_size if charged.scheme == "wor" else round(charged.rate * public)
+        sampler = cls(charged.scheme, dataset_size, batch, seed, public_size=public_size)
         if sampler.rate > charged.rate * (1 + 1e-12):
             raise ValueError(
-                f"stream {stream!r}: drawing {batch} of {dataset_size} records is a higher rate than the "
+                f"stream {stream!r}: drawing {batch} of {public} records is a higher rate than the "
                 f"{charged.rate:g} the plan charges"
             )
         return sampler
@@ -132,14 +166,14 @@ class BatchSampler:
             raise ValueError("cyclic traversal is not a sampled scheme; its plan accounts it as a whole")
         if self.scheme == "random-allocation":
             return Sampling.make(self.scheme, sample_rate=1 / self.steps_per_epoch)
-        return Sampling.make(self.scheme, batch_size=self.batch_size, dataset_size=self.n)
+        return Sampling.make(self.scheme, batch_size=self.batch_size, dataset_size=self.public_size)
 
     @property
     def rate(self) -> float:
-        """The expected fraction of the records each step draws."""
+        """The expected fraction of the records each step draws (of the public size's, for Poisson)."""
         if self.scheme == "random-allocation":
             return 1 / self.steps_per_epoch
-        return self.batch_size / self.n
+        return self.batch_size / self.public_size
 
     @property
     def pending(self) -> deque[np.ndarray]:

@@ -268,6 +268,17 @@ def _check_relation(neighbouring: str, *samplings: Sampling) -> None:
         sampling.check(neighbouring)
 
 
+def _public_size(plan: Plan) -> tuple[str, ...]:
+    """The assumption that the dataset size a plan reads is public, in the words of its relation."""
+    size = getattr(plan, "dataset_size", None)
+    if size is None:
+        return ()
+    if plan.neighbouring == ADD_REMOVE:
+        return (f"the dataset size N = {size} is public (stated): the sampling rate, epoch, divisor and "
+                "steps read N, never the size of the data, which add/remove adjacency makes private",)
+    return (f"replace-one: the dataset size n = {size} is public by definition (neighbours have one size)",)
+
+
 @dataclass(frozen=True)
 class DPSGDPlan(Plan):
     """DP-SGD / DP-GD: ``steps`` noisy gradient steps, one stream ``"gradient"``.
@@ -316,7 +327,7 @@ class DPSGDPlan(Plan):
         return _stream(noise, "gradient", self.steps, self.batch_sampling)
 
     def _assumptions(self):
-        return (_PER_SAMPLE, f"gradient: {self.batch_sampling.describe()}")
+        return (_PER_SAMPLE, f"gradient: {self.batch_sampling.describe()}", *_public_size(self))
 
     def exposures(self) -> dict[str, float]:
         return {"gradient": 1.0}  # each step's gradient is fresh

@@ -30,7 +30,7 @@ from .collate import check_collate
 from .data import dataset_records
 from .defaults import Derived, Public, derivable, derive
 from .losses import check_separable, per_sample
-from .parallel import DataParallel
+from .parallel import DataParallel, constructed
 
 
 class _FrontDoor(Sequence[str]):
@@ -56,6 +56,7 @@ ALGORITHMS: Sequence[str] = _FrontDoor()
 Evaluation = Callable[["PrivateTrainer", dict[str, float]], Any]
 
 
+@constructed  # under a process group: every process agrees on the whole run before it is returned
 def make_private(
     module: nn.Module,
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | MinimaxProblem,
@@ -69,6 +70,7 @@ def make_private(
     epochs: float | None = None,
     steps: int | None = None,
     accountant: str | None = None,
+    public_dataset_size: int | None = None,
     runtime: RuntimeConfig | None = None,
     process_group: Any = None,
     **settings: Any,
@@ -106,6 +108,13 @@ def make_private(
         steps: the run's length in steps (or give ``epochs``); the SPIDERs take ``steps``.
         accountant: ``"rdp"`` or ``"pld"``; default the tightest the algorithm's plan allows (PLD wherever its
             releases are Gaussian on Poisson, fixed-size or full batches).
+        public_dataset_size: the dataset size ``N`` stated as public
+            (:attr:`dpvr.optim.PrivacyConfig.public_dataset_size`): with it, Poisson and random-allocation
+            DP-SGD are accounted under add/remove, and their sampling rate, epoch, divisor, the steps of
+            ``epochs`` and the noise read ``N``, never the size of ``data`` (private under add/remove).
+            Without it (default) the size of ``data`` is used and the run is accounted under replace-one,
+            where the size is public by definition (random allocation is then refused).
+            ``privacy_spent().assumptions`` says which.
         runtime: the :class:`~dpvr.optim.RuntimeConfig` (gradient mode, chunk size, noise source, seeds);
             default ``RuntimeConfig()``.
         process_group: a ``torch.distributed`` group to train data-parallel over (default: the initialised
@@ -157,6 +166,8 @@ def make_private(
             "noise: make_private calibrates the noise to epsilon; to give noise multipliers yourself, build "
             "the algorithm from dpvr.optim (where epsilon is then only a budget guard)"
         )
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant,
+                            public_dataset_size=public_dataset_size)
     layout = spec.layout
     cls, sampled = spec.algorithm_class(), layout == "sampled"
     settings = {**spec.algorithm_options, **settings}
@@ -188,7 +199,9 @@ def make_private(
         batch_size = shards[0].batch_size  # the (expected) batch size the user already chose
     # Nothing of the data's size is read or held here: each step loads the records its sampler draws.
     records = [dataset_records(d, dtype, device) for d in shards]
-    n = min(len(r) for r in records)
+    # The size every release's shape reads: the stated public one (add/remove), else the data's own, which
+    # the algorithm then accounts under replace-one, where it is public by definition.
+    n = public_dataset_size if public_dataset_size is not None else min(len(r) for r in records)
     per_stream = layout == "per-stream"
     if sampled:
         settings["batch_size"] = batch_size
@@ -217,7 +230,6 @@ def make_private(
     derived = derive(algorithm, settings, Public(n=n, clients=len(records), dimension=dimension,
                                                  epsilon=epsilon, delta=delta, steps=steps))
     settings.update({name: d.value for name, d in derived.items()})
-    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant)
     arguments: dict[str, Any] = {
         "steps": steps,
         "privacy": privacy,
