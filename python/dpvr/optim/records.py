@@ -108,6 +108,25 @@ class Records:
         """The first ``min(k, len(self))`` records: what set-up checks (loss shape, separability) read."""
         return self.batch(np.arange(min(k, len(self))))
 
+    def content_fingerprint(self) -> str:
+        """SHA-256 of every record's values in index order: the number of records, then ``CHUNK`` records at
+        a time each chunk's input and target shapes, dtypes and bytes (as loaded: floating tensors in the
+        records' dtype). Unlike :meth:`fingerprint`, which may read a sample of the records, records that
+        differ anywhere, in order or in number, digest differently, whatever kind of :class:`Records` holds
+        them (a ``TensorDataset`` and a ``Dataset`` of the same records digest alike). One pass over the
+        data; what a data-parallel run's processes compare (:mod:`dpvr.trainer.parallel`)."""
+        h = hashlib.sha256(f"records n={len(self)};".encode())
+        for batch in self._every_chunk():
+            for t in batch:
+                t = t.detach().cpu().contiguous()
+                h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def _every_chunk(self) -> Iterator[Batch]:
+        """Every record in index order, ``CHUNK`` at a time, as :meth:`content_fingerprint` reads them."""
+        return self.chunks(CHUNK)
+
     def close(self) -> None:
         """Releases loader workers, if any (they are also released when the records are collected)."""
 
@@ -505,6 +524,14 @@ class DatasetRecords(Records):
         if k <= PROBE or len(self._probe) == self.n:
             return Batch(self._probe.inputs[:k], self._probe.targets[:k])
         return self.batch(np.arange(min(k, self.n)))
+
+    def _every_chunk(self) -> Iterator[Batch]:
+        """Read in this process (not by the workers, whose random state is their own), with torch's, numpy's
+        and Python's global generators seeded to a fixed value as for :meth:`fingerprint`, so that an
+        augmentation drawing from them reads alike wherever the same records are read."""
+        with _fixed_randomness():
+            for start in range(0, self.n, CHUNK):
+                yield self.convert(self._read(range(start, min(self.n, start + CHUNK))))
 
     def close(self) -> None:
         for stream in self._streams.values():

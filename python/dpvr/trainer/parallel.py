@@ -75,12 +75,41 @@ Refused under a process group, each because a release's data-dependent part is n
 
 A checkpoint is written by rank 0 and loaded by every process (the same file): the re-run's segment
 derives from the shared seed, so the processes go on in step, and they are checked to agree.
+
+Agreement. Everything above assumes that the processes run one run: the same settings and the same data.
+Nothing in a process group makes that so (a dataset shuffled after a per-rank seed, a file listing that
+differs per node, ``clip`` or ``epsilon`` read from a per-node configuration), and a mismatch is not a
+slower run but a false guarantee: a record held at another index on another process is loaded by two
+processes in one batch and counted twice in the all-reduced sum (``2C`` where ``C`` is priced under
+add/remove, ``4C`` where ``2C`` is priced under replace-one), and processes with different clip radii or
+noise multipliers release sums that the accountant does not price. So :func:`constructed` (around
+``make_private``) refuses the run, on every process and before the first release, unless every process holds
+the same *run binding* (:meth:`DataParallel.run_binding`): the algorithm's binding
+(:meth:`~dpvr.optim.PrivateAlgorithm.binding`: plan, noise multipliers, every setting that shapes a release),
+every field of its :class:`~dpvr.optim.PrivacyConfig` (budget, delta, accountant, calibration, relation,
+public size, ... by enumeration, so a field added later is compared too) and of its
+:class:`~dpvr.optim.RuntimeConfig` but the noise generator (agreed before, by digest), the accountant and
+relation in force, the trainable parameters' starting values, and the
+:meth:`~dpvr.optim.records.Records.content_fingerprint` of every dataset the process holds (every record's
+values in index order: a reordering or one record more differs). The processes all-gather one SHA-256 of it;
+only when the digests differ do they all-gather the settings themselves, to name in the error every setting
+that differs and the ranks that hold each value.
+
+Construction is collective, so a process that fails on its own (bad input on one node, a dataset that does
+not load) must not leave the others waiting in a collective it never reaches. Construction has two
+collectives, each an all-gather that also carries whether the process failed: the sampler seed and noise
+generator (:meth:`DataParallel.runtime`), then the run binding. A process that raises before one of them joins
+it with its error instead and re-raises; every process learns there that one failed, and raises too (the
+failed process its own error, the others a ``RuntimeError`` naming the rank and its error), so no process
+waits in a collective that another will not join, and none goes on to release.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -91,7 +120,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ops import NoiseGenerator
-from ..optim import RuntimeConfig
+from ..optim import PrivateAlgorithm, RuntimeConfig
+from ..optim.binding import canonical
 from ..optim.gradients import ClippedGradients
 from ..optim.records import CHUNK, Batch, DatasetRecords, Records, TensorRecords
 
@@ -101,22 +131,75 @@ SUPPORTED = ("dp-sgd", "dp-gd", "last-iterate", "diff2", "dp-sgda", "private-dif
 REFUSED: dict[str, str] = {}
 
 
+# The collectives of a data-parallel construction, in order: each an all-gather that every process joins
+# exactly once, with its own payload or with its failure (module documentation, "Agreement").
+STAGES = ("runtime", "binding")
+
+
 class DataParallel:
     """The process group a run is split over, and the pieces that split it (see the module documentation)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.sharded: list[ShardedRecords] = []  # every dataset split here, in the order split
+        self._joined = 0  # construction stages joined (STAGES)
+        self._settled = False  # every process has learnt, in a stage, that the construction fails
 
     @classmethod
     def detect(cls, group: Any = None) -> DataParallel | None:
-        """The given group, or the default one when ``torch.distributed`` is initialised with more than one
-        process; None for a one-process run."""
+        """The given group (or :class:`DataParallel`, returned as it is), or the default one when
+        ``torch.distributed`` is initialised with more than one process; None for a one-process run."""
+        if isinstance(group, DataParallel):
+            return group
         if group is None:
             if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
                 return None
             group = dist.group.WORLD
         return cls(group)
+
+    # ---- construction: every process joins each stage once, failed or not -------------------------
+    def _stage(self, name: str, payload: Any, failure: BaseException | None = None) -> list[Any]:
+        """Joins construction stage ``name`` (the next of :data:`STAGES`): all-gathers ``payload``, or this
+        process's ``failure``; returns every process's payload, in rank order. When a process failed, every
+        process raises here: the failed one ``failure`` itself, the others a ``RuntimeError`` naming it."""
+        if self._joined >= len(STAGES) or STAGES[self._joined] != name:
+            raise RuntimeError(f"data-parallel construction: stage {name!r} out of order (joined "
+                               f"{self._joined} of {list(STAGES)})")
+        self._joined += 1
+        failed = None if failure is None else f"{type(failure).__name__}: {failure}"
+        every: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(every, (name, failed, None if failed else payload), group=self.group)
+        except BaseException:  # the group itself failed (a process died, a timeout): no later stage either
+            self._settled = True
+            raise
+        stages = {stage for stage, _, _ in every}
+        if stages != {name}:  # a process joined another stage: a bug of this protocol, never a user's
+            self._settled = True
+            raise RuntimeError(f"data-parallel construction: the processes joined different stages {stages}")
+        failures = {rank: error for rank, (_, error, _) in enumerate(every) if error is not None}
+        if failures:
+            self._settled = True
+            if failure is not None:
+                raise failure
+            listed = "; ".join(f"rank {rank}: {error}" for rank, error in failures.items())
+            raise RuntimeError(
+                f"data-parallel run: make_private failed on another process ({listed}); nothing was released "
+                "on any process"
+            )
+        return [p for _, _, p in every]
+
+    def abandon(self, failure: BaseException) -> None:
+        """Called with the error that ended this process's construction: joins the next stage with it (so
+        that every process learns of it there and raises), unless every process already knows of a failure
+        or has joined every stage."""
+        if not self._settled and self._joined < len(STAGES):
+            try:
+                self._stage(STAGES[self._joined], None, failure)
+            except BaseException as err:  # it raises failure itself, as it should
+                if err is not failure:
+                    raise
 
     def check(self, algorithm: str, module: nn.Module, settings: Mapping[str, Any] | None = None) -> None:
         """Refuses (``ValueError``) what this split cannot run as one logical run: a model wrapped in
@@ -150,22 +233,71 @@ class DataParallel:
 
     def runtime(self, runtime: RuntimeConfig) -> RuntimeConfig:
         """``runtime`` with one sampler seed and one noise generator for every process: drawn on rank 0 and
-        broadcast (kept inside the group, like any noise seed), or the user's own, refused unless every
-        process was given the same."""
-        if runtime.generator is None and runtime.sampler_seed is None:
-            seeds = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
-            dist.broadcast_object_list(seeds, src=dist.get_global_rank(self.group, 0), group=self.group)
+        shared in the group (kept inside it, like any noise seed), or the user's own, refused unless every
+        process was given the same. The construction's first stage: one all-gather, whatever each process
+        was given (a broadcast on some processes beside an all-gather on others would not match)."""
+        given = runtime.generator is not None or runtime.sampler_seed is not None
+        mine = (runtime.sampler_seed, None if runtime.generator is None else _digest(runtime.generator))
+        fresh = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else None
+        every = self._stage("runtime", (given, mine, fresh))
+        if not any(g for g, _, _ in every):
+            seeds = every[0][2]
             return dataclasses.replace(runtime, sampler_seed=seeds[0],
                                        generator=NoiseGenerator(seeds[1], reproducible=True))
-        mine = (runtime.sampler_seed, None if runtime.generator is None else _digest(runtime.generator))
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        if any(other != mine for other in every) or None in mine:
+        if any(other != mine for _, other, _ in every) or None in mine:
+            self._settled = True
             raise ValueError(
                 "runtime: a data-parallel run needs the same sampler_seed and noise generator on every "
                 "process (give both, equal everywhere, or neither: then rank 0 draws them for all)"
             )
         return runtime
+
+    def run_binding(self, algorithm: PrivateAlgorithm) -> dict[str, Any]:
+        """What the processes of a run must agree on (module documentation, "Agreement"), as a flat dictionary
+        of canonical values: the algorithm's binding (data aside), every field of its privacy and runtime
+        configurations (the noise generator aside: agreed in the first stage), the accountant and relation in
+        force, the trainable parameters' values, and each sharded dataset's content fingerprint."""
+        bound = dict(algorithm.binding(data=False))
+        for group, config in (("privacy", algorithm.privacy), ("runtime", algorithm.runtime)):
+            for f in dataclasses.fields(config):
+                if f.name != "generator":
+                    bound[f"{group}.{f.name}"] = canonical(getattr(config, f.name))
+        bound["accountant"] = algorithm.accountant.accountant
+        bound["neighbouring"] = algorithm.accountant.neighbouring
+        for name, p in zip(algorithm.param_names, algorithm.params):
+            bound[f"value.{name}"] = canonical(p)
+        for k, records in enumerate(self.sharded):
+            bound["data" if len(self.sharded) == 1 else f"data.{k}"] = records.content_fingerprint()
+        return bound
+
+    def agree_run(self, algorithm: PrivateAlgorithm) -> None:
+        """The construction's last stage: refuses the run on every process (``ValueError`` naming each
+        setting that differs and the ranks holding each value) unless every process holds the same
+        :meth:`run_binding`. One all-gather of a digest; a second of the settings only when they differ."""
+        bound = self.run_binding(algorithm)
+        digests = self._stage("binding", hashlib.sha256(_dumps(bound).encode()).hexdigest())
+        if len(set(digests)) == 1:
+            return
+        self._settled = True
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, bound, group=self.group)
+        differing = []
+        for name in sorted(set().union(*every)):
+            holders: dict[str, list[int]] = {}
+            for rank, other in enumerate(every):
+                holders.setdefault(_shown(other[name]) if name in other else "(absent)", []).append(rank)
+            if len(holders) > 1:
+                values = "; ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                                   for value, r in holders.items())
+                differing.append(f"{name}: {values}")
+        listed = "\n  - ".join(differing or ["(none by name: the digests differ)"])
+        raise ValueError(
+            f"data-parallel run: the processes do not hold the same run ({len(differing)} setting(s) "
+            "differ); "
+            "every process must run the same settings on the same data, in the same order (a record at "
+            "another index on another process would be counted twice in a batch's all-reduced sum), so "
+            f"nothing was released on any process:\n  - {listed}"
+        )
 
     def agree(self, algorithm: Any) -> None:
         """Refuses to go on (``RuntimeError``) unless every process holds the same run: step, ledger position
@@ -182,10 +314,45 @@ class DataParallel:
                                "same checkpoint file on every process")
 
     def records(self, records: Records) -> ShardedRecords:
-        return ShardedRecords(records, self.rank, self.world)
+        sharded = ShardedRecords(records, self.rank, self.world)
+        self.sharded.append(sharded)
+        return sharded
 
     def gradients(self, engine: ClippedGradients) -> AllReducedGradients:
         return AllReducedGradients(engine, self.group)
+
+
+def constructed(make_private: Any) -> Any:
+    """``make_private`` with the data-parallel construction protocol (module documentation, "Agreement"):
+    under a process group, it runs with the group's :class:`DataParallel` (passed on as ``process_group``),
+    the processes agree on the whole run (:meth:`DataParallel.agree_run`) before the trainer is returned, and
+    an error raised on one process reaches every process in the next collective instead of leaving them
+    waiting. Without one, ``make_private`` itself."""
+
+    @functools.wraps(make_private)
+    def wrapper(*args: Any, process_group: Any = None, **kwargs: Any) -> Any:
+        parallel = DataParallel.detect(process_group)
+        if parallel is None:
+            return make_private(*args, process_group=None, **kwargs)
+        try:
+            trainer = make_private(*args, process_group=parallel, **kwargs)
+            parallel.agree_run(trainer.algorithm)  # before anything runs: nothing is released in make_private
+        except Exception as err:
+            parallel.abandon(err)
+            raise
+        return trainer
+
+    return wrapper
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _shown(value: Any, width: int = 72) -> str:
+    """A setting's value as the refusal shows it: its JSON, shortened past ``width`` characters."""
+    text = _dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _digest(generator: NoiseGenerator) -> str:
@@ -234,6 +401,11 @@ class ShardedRecords(Records):
 
     def fingerprint(self) -> str:
         return self.records.fingerprint()
+
+    def content_fingerprint(self) -> str:
+        """The whole dataset's (every record this process could load, not its share's): what the processes
+        compare."""
+        return self.records.content_fingerprint()
 
     def close(self) -> None:
         self.records.close()
