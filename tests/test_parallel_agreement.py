@@ -169,6 +169,8 @@ def _scenarios(rank: int) -> dict:
     return {
         "reordered": lambda: _train(data=_data(reordered=other)),
         "extra record": lambda: _train(data=_data(extra=int(other))),
+        # add/remove with the size stated public: the plans agree (both read N = 200), the data do not
+        "extra record, add/remove": lambda: _train(data=_data(extra=int(other)), public_dataset_size=200),
         "reordered, dp-gd": lambda: _train(data=_data(reordered=other), algorithm="dp-gd"),
         "clip": lambda: _train(clip=4.0 if other else CLIP),
         "epsilon": lambda: _train(epsilon=20.0 if other else 2.0),
@@ -213,6 +215,7 @@ def agreement(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name, differing", [
     ("reordered", ["data"]),
     ("extra record", ["data", "plan.dataset_size"]),
+    ("extra record, add/remove", ["data"]),
     ("reordered, dp-gd", ["data"]),
     ("clip", ["setting.clip: 1.0 on rank 0; 4.0 on rank 1"]),
     ("epsilon", ["privacy.epsilon: 2.0 on rank 0; 20.0 on rank 1", "noise.gradient"]),
@@ -239,7 +242,7 @@ def test_only_what_differs_is_named(agreement) -> None:
     assert named["clip"] == ["setting.clip"]
     assert named["epsilon"] == ["noise.gradient", "privacy.epsilon"]
     assert named["delta"] == ["noise.gradient", "privacy.delta"]
-    assert named["reordered"] == named["reordered, dp-gd"] == ["data"]
+    assert named["reordered"] == named["reordered, dp-gd"] == named["extra record, add/remove"] == ["data"]
     assert named["parameters"] == ["value.0.bias", "value.0.weight", "value.2.bias", "value.2.weight"]
 
 
