@@ -268,7 +268,8 @@ _SPECS = (
                 int,
                 "batch size b: fixed for wor, expected for poisson (rate b/n) and random-allocation",
             ),
-            Argument("dataset_size", int, "number of records n (with --batch-size; optional for poisson)"),
+            Argument("dataset_size", int, "number of records n, public (with --batch-size; optional for "
+                     "poisson); under add-remove the size stated public (public_dataset_size)"),
         ),
         "dpvr.optim:DPSGD",
         noise=_NOISE_MULTIPLIER,

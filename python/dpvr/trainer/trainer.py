@@ -120,7 +120,9 @@ def make_private(
         process_group: a ``torch.distributed`` group to train data-parallel over (default: the initialised
             default group when it has more than one process): one logical run, every process drawing the
             same batches and noise, loading and clipping its share of each batch, the clipped sums
-            all-reduced (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``,
+            all-reduced. Before the first release the processes compare the whole run (every setting that
+            shapes a release, the starting parameters and a fingerprint of every record each holds, in
+            order) and all refuse it, naming what differs and where, unless they agree (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``,
             ``dp-sgda``, ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
         **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
             its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
