@@ -122,8 +122,9 @@ def make_private(
             same batches and noise, loading and clipping its share of each batch, the clipped sums
             all-reduced. Before the first release the processes compare the whole run (every setting that
             shapes a release, the starting parameters and a fingerprint of every record each holds, in
-            order) and all refuse it, naming what differs and where, unless they agree (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``,
-            ``dp-sgda``, ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
+            order) and all refuse it, naming what differs and where, unless they agree
+            (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``, ``dp-sgda``,
+            ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
         **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
             its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
             ``epsilon``. The schedule settings left out (DIFF2's and PrivateDiff's ``restart``,
