@@ -173,3 +173,79 @@ def test_the_scale_figure_draws_time_and_memory_against_the_length(tmp_path) -> 
     path = tmp_path / "scale.png"
     step.scale_plot(records, str(path))
     assert path.stat().st_size > 10_000
+
+
+def test_the_real_cases_have_the_sizes_users_train() -> None:
+    """GPT-2 small, ResNet-18 and BERT-base at their published sizes (built on the meta device: no memory),
+    and each case's batch and sequence length as the issue names them."""
+    import torch
+
+    from dpvr.bench import REAL_CASES
+
+    sizes = {}
+    for kind in ("gpt2-small", "resnet18", "bert-base"):
+        with torch.device("meta"):
+            model, length = step.real_model(kind)
+        sizes[kind] = (sum(p.numel() for p in model.parameters()), length)
+        assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    # GPT-2 small: 124.4M with its 1024 positions, here 512; BERT-base: 109.5M with 512 positions, here 128.
+    assert sizes == {"gpt2-small": (124_046_592, 512), "resnet18": (11_173_962, 0),
+                     "bert-base": (109_188_866, 128)}
+    batches = {name: (step._REAL[name][0], step._REAL[name][1]) for name in REAL_CASES}
+    assert batches == {"gpt2-small-b16": ("gpt2-small", 16), "gpt2-small-b32": ("gpt2-small", 32),
+                       "resnet18-b256": ("resnet18", 256), "resnet18-b1024": ("resnet18", 1024),
+                       "bert-base-b32": ("bert-base", 32)}
+    with torch.device("meta"):
+        gpt2, _ = step.real_model("gpt2-small")
+    head, embedding = gpt2.gpt2.lm_head.weight, gpt2.gpt2.transformer.wte.weight
+    assert head is embedding  # the tied head
+
+
+def test_only_real_cases_have_a_reduced_size() -> None:
+    with pytest.raises(ValueError, match="reduced: only the real cases"):
+        step.make_case("mlp", reduced=True)
+
+
+@pytest.mark.slow  # a benchmark run (15-35 s: three reduced models, six methods each)
+@pytest.mark.parametrize("autocast", [None, "bf16"])
+def test_each_real_case_runs_reduced_on_the_cpu(autocast) -> None:
+    """Every real case at its reduced size times the non-private step, both Opacus steps (or records why
+    Opacus refuses) and dpvr's DP-SGD, make_private and DIFF2 steps, with peak memory; under bf16 autocast
+    the forward runs in bfloat16 while dpvr's sums stay float32."""
+    import torch
+
+    from dpvr.bench import REAL_CASES
+
+    dtype = torch.bfloat16 if autocast else None
+    cases = ["gpt2-small-b16", "resnet18-b256", "bert-base-b32"]
+    records = step.run(cases=cases, repeats=1, quick=True, memory=True, reduced=True, autocast=dtype)
+    assert set(cases) <= set(REAL_CASES)
+    for label in {r.dataset for r in records}:
+        methods = {r.method: r.metrics for r in records if r.dataset == label}
+        assert set(methods) == set(step.REAL_METHODS), label
+        assert label.endswith("/cpu" + ("/autocast-bfloat16" if autocast else "")), label
+        for method, metrics in methods.items():
+            if "skipped" in metrics:  # Opacus refusing the model (tied head, bf16 gradients): the reason
+                assert method.startswith("opacus") and metrics["skipped"], (label, method)
+                continue
+            assert metrics["ms"] > 0 and metrics["peak_mib"] > 0, (label, method)
+            assert metrics["autocast"] == ("bfloat16" if autocast else None)
+    batches = {r.dataset.split("/")[0]: r.metrics["batch"] for r in records}
+    assert batches == {"gpt2-small-reduced-lm-seq32": 4, "resnet18-reduced-32x32": 4,
+                       "bert-base-reduced-seq16": 4}
+
+
+def test_a_case_under_autocast_runs_its_forward_in_bfloat16() -> None:
+    """The benchmark's autocast region reaches the model: the recorded dtype of a Linear's output."""
+    import torch
+
+    case = step.make_case("bert-base-b32", reduced=True, autocast=torch.bfloat16)
+    seen = []
+    layer = case.model.bert.classifier
+    layer.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    fns, _ = step._methods(case, ["non-private", "dpvr-dp-sgd-ghost"])
+    seen.clear()
+    for fn in fns.values():
+        fn()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in case.model.parameters())

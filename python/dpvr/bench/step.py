@@ -64,6 +64,7 @@ them), and ``host_sync_sites``, the lines that made them. With ``memory``, every
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -83,7 +84,7 @@ from torch import Tensor, nn
 from .. import ops
 from ..grads import GhostClipper, per_sample_grads_at_two_points
 from ..results import Record
-from . import CASES, SCALE_CASES
+from . import CASES, REAL_CASES, SCALE_CASES
 from .timing import device_sync, host_syncs, interleaved_median_ms, peak_bytes
 
 CLIP, CLIP2, SIGMA, LR = 1.0, 10.0, 1.0, 0.05
@@ -185,6 +186,100 @@ def resnet(widths: Sequence[int] = (128, 256, 512, 512), classes: int = 10) -> n
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes))
 
 
+def _groups(channels: int) -> int:
+    """GroupNorm's groups: 32 (as ResNets with GroupNorm use), fewer where the width is smaller."""
+    return math.gcd(32, channels)
+
+
+class BasicBlock(nn.Module):
+    """ResNet-18's block: two 3x3 convolutions without bias, each followed by GroupNorm (BatchNorm mixes the
+    records of a batch, which per-sample clipping cannot allow), and a skip connection (a 1x1 convolution
+    and GroupNorm where the shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.GroupNorm(_groups(c_out), c_out), nn.ReLU(),
+            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.GroupNorm(_groups(c_out), c_out),
+        )
+        self.skip = (nn.Identity() if c_in == c_out and stride == 1 else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(_groups(c_out), c_out)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+def resnet18(widths: Sequence[int] = (64, 128, 256, 512), classes: int = 10) -> nn.Module:
+    """ResNet-18 for 3x32x32 images (the CIFAR form: a 3x3 stem, no max-pooling), GroupNorm for BatchNorm:
+    four stages of two :class:`BasicBlock` each (stride 2 from the second stage), global average pooling and
+    a linear head; 11.2 * 10^6 parameters with the default widths."""
+    stem = widths[0]
+    layers: list[nn.Module] = [nn.Conv2d(3, stem, 3, 1, 1, bias=False), nn.GroupNorm(_groups(stem), stem),
+                               nn.ReLU()]
+    c_in = widths[0]
+    for k, width in enumerate(widths):
+        layers += [BasicBlock(c_in, width, 1 if k == 0 else 2), BasicBlock(width, width, 1)]
+        c_in = width
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes))
+
+
+class LanguageModel(nn.Module):
+    """A GPT-2 language model from ``transformers`` (a config, random weights, the head tied to the token
+    embedding): next-token logits at every position, shape ``(B, T, vocabulary)``. Position ids are passed
+    one row per record (see :class:`Decoder`); dropout is off."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers,
+                                         n_head=heads, bos_token_id=0, eos_token_id=0, use_cache=False,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.gpt2 = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        return self.gpt2(tokens, position_ids=positions).logits
+
+
+class Classifier(nn.Module):
+    """A BERT sequence classifier from ``transformers`` (``BertForSequenceClassification`` from a config,
+    random weights; dropout off), with position and token-type ids passed one row per record."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int,
+                 classes: int = 2) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
+                                         num_attention_heads=heads, intermediate_size=4 * width,
+                                         max_position_embeddings=length, num_labels=classes,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.bert = transformers.BertForSequenceClassification(config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        return self.bert(tokens, position_ids=positions, token_type_ids=torch.zeros_like(tokens)).logits
+
+
+class TokenCrossEntropy(nn.Module):
+    """A language model's loss: cross-entropy of ``(B, T, V)`` logits against ``(B, T)`` next tokens,
+    averaged over the positions of each record, then reduced over records as ``reduction`` says (``"none"``:
+    the per-record losses, which Opacus' ghost clipping asks for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduction = "mean"
+
+    def forward(self, output: Tensor, target: Tensor) -> Tensor:
+        per_record = F.cross_entropy(output.transpose(1, 2), target, reduction="none").mean(dim=1)
+        if self.reduction == "none":
+            return per_record
+        return per_record.sum() if self.reduction == "sum" else per_record.mean()
+
+
 def squared(output: Tensor, target: Tensor) -> Tensor:
     """Per-sample loss (the contract of dpvr.grads)."""
     return 0.5 * (output.squeeze(-1) - target) ** 2
@@ -217,6 +312,7 @@ class Case:
     batches: list[tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]  # per sample, for dpvr
     criterion: nn.Module  # batched, mean reduction: the non-private step and Opacus
+    autocast: torch.dtype | None = None  # every method's step runs under torch.autocast in this dtype
 
     @property
     def batch(self) -> int:
@@ -228,13 +324,20 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.name}/B={self.batch}/{self.device.type}"
+        precision = "" if self.autocast is None else f"/autocast-{str(self.autocast).removeprefix('torch.')}"
+        return f"{self.name}/B={self.batch}/{self.device.type}{precision}"
 
 
-def make_case(name: str, batch: int | None = None, device: str = "cpu") -> Case:
-    """The case ``name`` (one of :data:`CASES`) with its default batch size unless ``batch`` is given, its
-    model and data on ``device``."""
-    case = _make_case(name, batch)
+def make_case(name: str, batch: int | None = None, device: str = "cpu", *, reduced: bool = False,
+              autocast: torch.dtype | None = None) -> Case:
+    """The case ``name`` (one of :data:`CASES`, :data:`SCALE_CASES` or :data:`REAL_CASES`) with its default
+    batch size unless ``batch`` is given, its model and data on ``device``. ``reduced``: a real case's
+    architecture at a small size (:func:`real_model`); ``autocast``: every method's step runs under
+    ``torch.autocast`` in that dtype (as users train in bfloat16), the parameters staying float32."""
+    if reduced and name not in REAL_CASES:
+        raise ValueError(f"reduced: only the real cases {REAL_CASES} have a reduced size, got {name!r}")
+    case = _real_case(name, batch, reduced) if name in REAL_CASES else _make_case(name, batch)
+    case.autocast = autocast
     case.model.to(device)
     case.batches = [(x.to(device), y.to(device)) for x, y in case.batches]
     return case
@@ -284,7 +387,55 @@ def _make_case(name: str, batch: int | None) -> Case:
                 for _ in range(FRESH_BATCHES)]
         model, label = (Recurrent(), "lstm-128-seq32") if name == "lstm" else (Decoder(), "gpt2-2layer-seq64")
         return Case(label, model, data, cross_entropy, nn.CrossEntropyLoss())
-    raise ValueError(f"case: must be one of {CASES + SCALE_CASES}, got {name!r}")
+    raise ValueError(f"case: must be one of {CASES + SCALE_CASES + REAL_CASES}, got {name!r}")
+
+
+# name -> (model kind, batch, reduced batch); the sizes of :func:`real_model`.
+_REAL = {"gpt2-small-b16": ("gpt2-small", 16, 4), "gpt2-small-b32": ("gpt2-small", 32, 8),
+         "resnet18-b256": ("resnet18", 256, 4), "resnet18-b1024": ("resnet18", 1024, 16),
+         "bert-base-b32": ("bert-base", 32, 4)}
+
+
+def real_model(kind: str, reduced: bool = False) -> tuple[nn.Module, int]:
+    """The model of a real case and its sequence length (0 for images): ``gpt2-small`` (GPT-2 small: 12
+    layers, width 768, 12 heads, 50257 tokens, tied head; T = 512 positions: 1.240 * 10^8 parameters),
+    ``resnet18`` (:func:`resnet18`, 1.12 * 10^7) or ``bert-base`` (12 layers, width 768, 12 heads, 30522
+    tokens, T = 128 positions, 2 classes: 1.092 * 10^8). ``reduced``: the same architecture at a small size,
+    for CPU tests: 2 layers, width 64, 4 heads, 1000 tokens, T = 32 (GPT-2) or 16 (BERT); ResNet-18 with
+    stage widths 8, 16, 32, 64."""
+    if kind == "gpt2-small":
+        length = 32 if reduced else 512
+        sizes = dict(vocab=1000, width=64, layers=2, heads=4) if reduced else dict(vocab=50257, width=768,
+                                                                                  layers=12, heads=12)
+        return LanguageModel(length=length, **sizes), length
+    if kind == "bert-base":
+        length = 16 if reduced else 128
+        sizes = dict(vocab=1000, width=64, layers=2, heads=4) if reduced else dict(vocab=30522, width=768,
+                                                                                  layers=12, heads=12)
+        return Classifier(length=length, **sizes), length
+    if kind == "resnet18":
+        return resnet18((8, 16, 32, 64) if reduced else (64, 128, 256, 512)), 0
+    raise ValueError(f"kind: must be gpt2-small, resnet18 or bert-base, got {kind!r}")
+
+
+def _real_case(name: str, batch: int | None, reduced: bool) -> Case:
+    torch.manual_seed(0)
+    kind, full, small = _REAL[name]
+    b = batch or (small if reduced else full)
+    model, length = real_model(kind, reduced)
+    label = kind + ("-reduced" if reduced else "")
+    if kind == "resnet18":
+        data = [(torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))) for _ in range(FRESH_BATCHES)]
+        return Case(label + "-32x32", model, data, cross_entropy, nn.CrossEntropyLoss())
+    vocab = model.gpt2.config.vocab_size if kind == "gpt2-small" else model.bert.config.vocab_size
+    if kind == "bert-base":
+        data = [(torch.randint(0, vocab, (b, length)), torch.randint(0, 2, (b,)))
+                for _ in range(FRESH_BATCHES)]
+        return Case(f"{label}-seq{length}", model, data, cross_entropy, nn.CrossEntropyLoss())
+    # Language modelling: every position predicts a token (the loss reads all T positions).
+    data = [(torch.randint(0, vocab, (b, length)), torch.randint(0, vocab, (b, length)))
+            for _ in range(FRESH_BATCHES)]
+    return Case(f"{label}-lm-seq{length}", model, data, cross_entropy, TokenCrossEntropy())
 
 
 def _training_step(module: nn.Module, criterion: Callable[[Tensor, Tensor], Tensor],
@@ -478,7 +629,33 @@ def _too_large_to_materialise(case: Case) -> str | None:
             f"of this device's {total / 2**30:.0f} GiB")
 
 
-def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+# The methods timed on the real cases: the issue's targets (DP-SGD, make_private, the reused DIFF2 round)
+# and both Opacus steps; the recomputed and fresh-batch rounds are left out to keep a device visit short.
+REAL_METHODS = ("non-private", "opacus-hooks-dp-sgd", "opacus-ghost-dp-sgd", "dpvr-make-private-dp-sgd",
+                "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost")
+
+
+def _precision(case: Case) -> contextlib.AbstractContextManager:
+    """The case's ``torch.autocast`` region (nothing without one)."""
+    if case.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(case.device.type, dtype=case.autocast)
+
+
+def _under_autocast(fn: Callable[[], None], case: Case) -> Callable[[], None]:
+    """``fn`` run inside the case's autocast region, as a user's training loop runs its step."""
+    if case.autocast is None:
+        return fn
+
+    def step() -> None:
+        with _precision(case):
+            fn()
+
+    return step
+
+
+def _methods(case: Case, methods: Sequence[str] | None = None,
+             ) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
     """The step of every method on ``case`` (each on its own copy of the model, run once), and why each
     method that has none has none (Opacus missing or refusing the model; per-sample gradients too large
     for this device; a method failing on this device, with its traceback printed: a finding to record, not
@@ -495,6 +672,11 @@ def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], dict[str, str]]
     }
     if case.name.startswith("mlp"):
         builders["dpvr-diff2-materialised"] = lambda: partial(_restarted(case).diff_round, materialised=True)
+    if methods is not None:
+        unknown = set(methods) - set(builders)
+        if unknown:
+            raise ValueError(f"methods: unknown {sorted(unknown)}; known: {list(builders)}")
+        builders = {name: build for name, build in builders.items() if name in methods}
     too_large = _too_large_to_materialise(case)
     if too_large:
         for name in ("opacus-hooks-dp-sgd", "dpvr-diff2-materialised"):
@@ -504,28 +686,30 @@ def _methods(case: Case) -> tuple[dict[str, Callable[[], None]], dict[str, str]]
     missing: dict[str, str] = {}
     for name, build in builders.items():
         try:
-            fn = build()
+            fn = build()  # outside autocast, as a user builds a trainer; then stepped as it will be timed
             if callable(fn):
-                fn()
+                with _precision(case):
+                    fn()
         except Exception as err:
             if name == "non-private":
                 raise
             traceback.print_exc()
             fn = f"failed: {type(err).__name__}: {err}"
         if callable(fn):
-            fns[name] = fn
+            fns[name] = _under_autocast(fn, case)
         else:
             missing[name] = fn
     return fns, missing
 
 
-def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False,
-             share_rounds: int = 5) -> list[Record]:
-    """Times every method on ``case`` (interleaved) and returns one record per method."""
+def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False, share_rounds: int = 5,
+             methods: Sequence[str] | None = None) -> list[Record]:
+    """Times every method on ``case`` (or those named in ``methods``; interleaved) and returns one record
+    per method."""
     on_cuda = case.device.type == "cuda"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' notices about secure RNG and hooks
-        fns, missing = _methods(case)
+        fns, missing = _methods(case, methods)
         ms = interleaved_median_ms(fns, repeats=repeats, warmup=warmup, sync=device_sync(case.device))
         peaks = {name: peak_bytes(fn, str(case.device)) / 2**20 for name, fn in fns.items()} if memory else {}
         syncs = {name: host_syncs(fn) for name, fn in fns.items()} if on_cuda else {}
@@ -534,6 +718,7 @@ def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False,
         "d": sum(p.numel() for p in case.model.parameters()),
         "device": torch.cuda.get_device_name(case.device) if on_cuda else "cpu",
         "threads": torch.get_num_threads(),
+        "autocast": None if case.autocast is None else str(case.autocast).removeprefix("torch."),
     }
     records = []
     for method, t in ms.items():
@@ -679,11 +864,19 @@ def sequence_scaling(records: Sequence[Record]) -> list[tuple[str, float, float 
 
 
 def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, memory: bool = False,
-        batch: int | None = None, device: str = "cpu") -> list[Record]:
+        batch: int | None = None, device: str = "cpu", reduced: bool = False,
+        autocast: torch.dtype | None = None) -> list[Record]:
     """Times each method on each case (``quick``: at most 3 rounds, 1 warm-up); ``batch`` overrides every
-    case's batch size (tests run tiny rounds with it). One record per method and case."""
+    case's batch size (tests run tiny rounds with it); ``reduced`` runs the real cases (:data:`REAL_CASES`)
+    at a small size, ``autocast`` every step under ``torch.autocast`` in that dtype. The real cases time
+    :data:`REAL_METHODS`, the others every method. One record per method and case."""
     records = []
     for name in cases:
-        records += run_case(make_case(name, batch, device), repeats=min(repeats, 3) if quick else repeats,
-                            warmup=1 if quick else 2, memory=memory, share_rounds=2 if quick else 5)
+        case = make_case(name, batch, device, reduced=reduced and name in REAL_CASES, autocast=autocast)
+        records += run_case(case, repeats=min(repeats, 3) if quick else repeats, warmup=1 if quick else 2,
+                            memory=memory, share_rounds=2 if quick else 5,
+                            methods=REAL_METHODS if name in REAL_CASES else None)
+        del case
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the next case's models start from an empty cache
     return records

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench import CASES, SCALE_CASES, SCALE_DEFAULT
+from ..bench import CASES, REAL_CASES, SCALE_CASES, SCALE_DEFAULT
 from .flags import with_default
 
 
@@ -32,7 +32,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--case",
-        choices=[*CASES, *SCALE_CASES, "all"],
+        choices=[*CASES, *SCALE_CASES, *REAL_CASES, "all"],
         default="all",
         help=with_default(
             "step: the model (an MLP, a small CNN, a small transformer encoder, an LSTM classifier, a small "
@@ -51,6 +51,22 @@ def register(commands: argparse._SubParsersAction) -> None:
         "this set and runs only with --case",
     )
     p.add_argument(
+        "--real", action="store_true",
+        help="step: the models at the sizes users train on a GPU instead (GPT-2 small as a language model, "
+        "T = 512, B = 16 and 32; ResNet-18 with GroupNorm on 32x32 images, B = 256 and 1024; a BERT-base "
+        "classifier, T = 128, B = 32), each against non-private and Opacus; one of them with --case",
+    )
+    p.add_argument(
+        "--reduced", action="store_true",
+        help="step: the real cases (--real, or one with --case) at a small size, same architectures (seconds "
+        "on a CPU: tests and dry runs)",
+    )
+    p.add_argument(
+        "--autocast", choices=["none", "bf16"], default="none",
+        help=with_default("step: run every method's step under torch.autocast in bfloat16, the parameters "
+                          "and dpvr's norms and clipped sums staying float32", "none"),
+    )
+    p.add_argument(
         "--logical", type=int, default=1024,
         help=with_default("memory: the logical (accounted) batch; the case is --case, default cnn", 1024),
     )
@@ -67,14 +83,25 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be at least 1")
     if args.plot and args.what != "step":
         raise ValueError("--plot: only 'bench step' draws a figure")
+    if args.what != "step" and (args.real or args.reduced or args.autocast != "none"):
+        raise ValueError("--real, --reduced, --autocast: only 'bench step' takes them")
     if args.device == "cuda" and args.what == "kernels":
         return _run_cuda(args)
     if args.what == "step":
         from ..bench import step
 
-        cases = (SCALE_DEFAULT if args.scale else CASES) if args.case == "all" else (args.case,)
+        if args.scale and args.real:
+            raise ValueError("--scale, --real: choose one set of cases")
+        everything = REAL_CASES if args.real else SCALE_DEFAULT if args.scale else CASES
+        cases = everything if args.case == "all" else (args.case,)
+        if args.reduced and not set(cases) <= set(REAL_CASES):
+            raise ValueError(f"--reduced: only the real cases have a reduced size ({', '.join(REAL_CASES)}); "
+                             f"got {', '.join(c for c in cases if c not in REAL_CASES)}")
+        import torch
+
+        autocast = torch.bfloat16 if args.autocast == "bf16" else None
         records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
-                           device=args.device)
+                           device=args.device, reduced=args.reduced, autocast=autocast)
         headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
         metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "ratio_vs_opacus_hooks"]
         headers.append("host syncs" if args.device == "cuda" else "native share")
