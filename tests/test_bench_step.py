@@ -249,3 +249,46 @@ def test_a_case_under_autocast_runs_its_forward_in_bfloat16() -> None:
         fn()
     assert seen and set(seen) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in case.model.parameters())
+
+
+@pytest.mark.gpu
+def test_make_private_dp_sgd_steps_without_host_syncs_on_cuda() -> None:
+    """On CUDA a make_private DP-SGD step makes the host wait for the device nowhere (torch's sync debug
+    mode counts reads of device values); its non-finite count is a 0-d device tensor holding the count,
+    and a batch whose every record is NaN still warns, at a later step, from the count's pinned copy."""
+    import warnings
+
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from dpvr import make_private
+    from dpvr.bench.timing import host_syncs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).cuda()
+    x, y = torch.randn(256, 8), torch.randint(0, 2, (256,))
+    trainer = make_private(model, torch.nn.CrossEntropyLoss(), TensorDataset(x, y), algorithm="dp-sgd",
+                           epsilon=8.0, batch_size=64, steps=100, clip=1.0,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer.step()  # warm-up: first-step allocations
+    syncs, sites = host_syncs(trainer.step, rounds=3)
+    assert syncs == 0, sites
+    info = trainer.step()
+    assert isinstance(info["nonfinite"], torch.Tensor) and info["nonfinite"].device.type == "cuda"
+    assert int(info["nonfinite"]) == 0
+
+    x[:] = float("nan")
+    nan_model = torch.nn.Sequential(torch.nn.Linear(8, 2)).cuda()
+    nan_trainer = make_private(nan_model, torch.nn.CrossEntropyLoss(), TensorDataset(x, y),
+                               algorithm="dp-sgd", epsilon=8.0, batch_size=64, steps=100, clip=1.0,
+                               optimizer=torch.optim.SGD(nan_model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counts = []
+        for _ in range(3):
+            counts.append(nan_trainer.step()["nonfinite"])
+            torch.cuda.synchronize()  # the copies have arrived: the next step's check reads them
+    assert [int(c) > 0 for c in counts] == [True, True, True]
+    assert sum("non-finite gradients and were dropped" in str(w.message) for w in caught) == 1

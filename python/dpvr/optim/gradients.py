@@ -18,11 +18,13 @@ from torch.utils._pytree import tree_map
 from .. import ops
 from ..grads import (
     GhostClipper,
+    as_inputs,
     clip_dtype,
     per_sample_grads,
     per_sample_grads_at_two_points,
     trainable_parameters,
 )
+from ..grads.fields import call
 from ..problems import LossFn
 
 MODES = ("auto", "ghost", "materialised")
@@ -91,11 +93,12 @@ def check_loss(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: expected a callable (output, target) -> loss, got "
                         f"{type(loss_fn).__name__}")
+    inputs, targets = as_inputs(inputs), as_inputs(targets)
     if len(inputs) == 0 or len(targets) == 0:
         raise ValueError("inputs, targets: no record to check loss_fn on")
     clip_dtype(trainable_parameters(model))  # a half-precision model is refused with its fix, not run here
     with torch.no_grad():
-        output = tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, model(inputs[:1]))
+        output = tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, call(model, inputs[:1]))
         target = targets[0]
         shapes = tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, (output, target))
         seen = f"output shape {shapes[0]}, target shape {shapes[1]}"
@@ -127,7 +130,10 @@ class ClippedGradients:
     record exists, so it is for debugging, not for private runs). When every sample of one sum is dropped,
     a ``RuntimeWarning`` says so, once per instance (the algorithm's): that release is noise alone, which
     usually means NaN or infinite data or a loss that overflows. Like the ``nonfinite`` counts the
-    algorithms report, it is a diagnostic for the data holder, computed without noise. ``mode`` says which
+    algorithms report, it is a diagnostic for the data holder, computed without noise. On a CUDA device the
+    ghost path's count is a 0-d int64 device tensor, read only when the caller reads it (no host
+    synchronisation per step); the warning then comes from a copy to pinned host memory checked, without
+    waiting, at later sums (a step or a few after the one that dropped its batch). ``mode`` says which
     path is used: ``"ghost"``, ``"mixed"`` (ghost with fallback layers) or ``"materialised"``.
 
     Precision: the trainable parameters must be float32 or float64 (half-precision parameters are refused
@@ -163,6 +169,8 @@ class ClippedGradients:
         self.model, self.loss_fn, self.chunk_size = model, loss_fn, chunk_size
         self.nonfinite = ops.check_nonfinite(nonfinite)
         self._warned = False
+        # Device counts on their way to the host for the all-dropped warning: (pinned copy, event, batch).
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event, int]] = []
         # Ghost clipping runs where the parameters are: native kernels on the host, torch on CUDA.
         self._ghost = (GhostClipper(model, loss_fn, nonfinite=nonfinite, reuse_recording=reuse_recording)
                        if mode != "materialised" else None)
@@ -178,10 +186,12 @@ class ClippedGradients:
         norms: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
         losses: torch.Tensor | None = None,
-    ) -> int:
+    ) -> int | torch.Tensor:
         """``out += sum_i clip_C(w_i grad l(point; z_i))`` (``weights`` ``w`` scale before the norm; default
         1); returns the number of non-finite samples. ``norms`` and ``losses``, when given, receive each
-        sample's gradient norm and loss (from the pass that formed the sum: no extra work)."""
+        sample's gradient norm and loss (from the pass that formed the sum: no extra work). On a CUDA device
+        the count of the ghost path is a 0-d device tensor (see the class)."""
+        inputs, targets = as_inputs(inputs), as_inputs(targets)
         if len(inputs) == 0:
             return 0
         acc = _wide(out)
@@ -214,9 +224,10 @@ class ClippedGradients:
         out: Sequence[torch.Tensor],
         a: torch.Tensor | None = None,
         b: torch.Tensor | None = None,
-    ) -> int:
+    ) -> int | torch.Tensor:
         """``out += sum_i clip_C(a_i grad l(point; z_i) - b_i grad l(previous; z_i))``, the same sample at
         both points (per-sample scalars ``a``, ``b`` default to 1)."""
+        inputs, targets = as_inputs(inputs), as_inputs(targets)
         if len(inputs) == 0:
             return 0
         acc = _wide(out)
@@ -285,9 +296,33 @@ class ClippedGradients:
         for start in range(0, batch, size):
             yield tuple(None if r is None else r[start : start + size] for r in rows)
 
-    def _dropped(self, count: int, batch: int) -> int:
-        """``count``, after warning (once) when it is the whole batch: the counts are host integers
-        already, so the check costs no synchronisation."""
+    def _dropped(self, count: int | torch.Tensor, batch: int) -> int | torch.Tensor:
+        """``count``, after warning (once) when it is the whole batch. A host count is checked at once and
+        returned as an int. A device count (a 0-d tensor) is returned as it is, and reading it is the
+        caller's choice: the check reads a non-blocking copy in pinned host memory once its event has
+        completed, at this or a later call, so that no step waits for the device."""
+        if isinstance(count, torch.Tensor) and count.device.type == "cuda":
+            self._check_pending()
+            if not self._warned:
+                host = torch.empty((), dtype=count.dtype, pin_memory=True)
+                host.copy_(count, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending.append((host, event, batch))
+            return count
+        count = int(count)
+        self._warn_if_all(count, batch)
+        return count
+
+    def _check_pending(self) -> None:
+        """Reads the device counts whose copies have arrived (never waits for one that has not)."""
+        while self._pending and self._pending[0][1].query():
+            host, _, batch = self._pending.pop(0)
+            self._warn_if_all(int(host), batch)
+        if self._warned:
+            self._pending.clear()
+
+    def _warn_if_all(self, count: int, batch: int) -> None:
         if count == batch and not self._warned:
             self._warned = True
             warnings.warn(
@@ -296,14 +331,16 @@ class ClippedGradients:
                 "alone; check the data and the loss for NaN or infinite values (nonfinite='raise' stops at "
                 "the first such sample while debugging). Shown once per algorithm.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        return count
 
     @staticmethod
-    def _add(sums, sample_norms, out, norms) -> int:
+    def _add(sums, sample_norms, out, norms) -> int | torch.Tensor:
+        """Adds a micro-batch's sums to ``out``; its non-finite count (NaN norms): an int on the host, a 0-d
+        device tensor on a device (reading it would wait for the device)."""
         for o, s in zip(out, sums):
             o.add_(s.reshape(-1))
         if norms is not None:
             norms.copy_(sample_norms)
-        return int(torch.isnan(sample_norms).sum())
+        count = torch.isnan(sample_norms).sum()
+        return count if count.device.type == "cuda" else int(count)

@@ -302,7 +302,9 @@ class PrivateTrainer:
 
     ``for info in trainer:`` runs the remaining planned steps, yielding each step's information dictionary
     (diagnostics for the data holder: entries computed from private data without noise, such as
-    ``nonfinite``, must not be published). :meth:`evaluate` registers a callback run after every ``every``
+    ``nonfinite``, must not be published; on a CUDA device ``nonfinite`` and ``loss`` are 0-d device tensors,
+    so that a step never waits for the device: reading one, ``int(info["nonfinite"])``, waits for that
+    step). :meth:`evaluate` registers a callback run after every ``every``
     steps, e.g. to score the model on held-out data (which is not private data: the callback sees released
     parameters only).
 
