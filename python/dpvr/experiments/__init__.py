@@ -27,6 +27,7 @@ EXPERIMENTS: dict[str, str] = {
     "wgan": "dpvr.experiments.wgan",
     "td": "dpvr.experiments.td",
     "scaling": "dpvr.experiments.scaling",
+    "regime": "dpvr.experiments.regime",
 }
 """Experiment name -> module that implements it."""
 

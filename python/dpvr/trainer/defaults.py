@@ -3,14 +3,28 @@
 Each default is the parameter choice of the theorem that proves the algorithm's utility, evaluated on public
 quantities only: the dataset size ``n`` (per client), the number of clients ``P``, the model's trainable
 dimension ``d``, the run's ``epsilon`` and ``delta``, its length ``R`` (steps), and the clip radii the user
-gave. The theorems' constants are ``Theta(.)``; they are taken as 1. Their unknown problem constants are
-replaced by the radii that the analyses require to bound them: the Lipschitz constant ``G`` by the gradient
-radius (``C1 >= G``), the smoothness ``L`` by the difference radius (``C2 >= L``), and the initial
-suboptimality by 1 (the papers' ``O(1)`` assumption).
+gave. Their unknown problem constants are replaced by the radii that the analyses require to bound them: the
+Lipschitz constant ``G`` by the gradient radius (``C1 >= G``), the smoothness ``L`` by the difference radius
+(``C2 >= L``), and the initial suboptimality ``f(x0) - f*`` by 1 (the papers' ``O(1)`` assumption).
 
-The clip radii and step sizes themselves stay the user's: they *are* the estimates of ``G``, ``L`` and
-``1/L`` that the theorems assume, and no public quantity estimates a model's smoothness. What was derived,
-and from which theorem, is returned with each value, and ``make_private`` reports it on the trainer.
+DIFF2-GD (Theorem 4.3) is derived from its proof rather than its printed statement: the printed ``tau`` drops
+the log factors of Proposition 4.1's noise, and on real data that period is several times too short (the
+difference noise then accumulates over too few restarts). In their place stands the accountant's own noise
+constant ``c(epsilon, delta)``: ``R`` full-batch Gaussian releases at noise multiplier ``z`` spend exactly
+``(epsilon, delta)`` when ``z^2 = c R`` (:func:`noise_constant`; ``c = 71.4`` at ``epsilon = 1`` and ``5.70``
+at ``4``, ``delta = 1e-6``, PLD). With the budget split equally between the restart and difference streams
+(the calibration's default), the ``R/T`` restart releases get ``z1^2 = 2 c R/T`` and the others ``z2^2 =
+2 c (R - R/T)``, and the proof's descent-lemma bound, with every ``O(.)`` constant taken as 1,
+
+    E||grad f||^2 <= 2 (f(x0) - f*) / (eta R) + d (z1 G / N)^2,  eta = 1 / (L max(1, sqrt(T d) z2 / N)),
+
+``N = n P``, is least at ``T = tau R`` with ``tau = (sqrt(2 c) G^2 sqrt(d) / ((f(x0) - f*) L N))^(2/3)``
+(:func:`diff2_protocol`, which also gives the rounds ``R`` the theorem needs and the bound it predicts;
+:func:`dpgd_protocol` is DP-GD's counterpart, the baseline's optimal ``R``).
+
+The clip radii stay the user's: they *are* the estimates of ``G`` and ``L`` that the theorems assume, and no
+public quantity estimates a model's smoothness. What was derived, and from which theorem, is returned with
+each value, and ``make_private`` reports it on the trainer.
 
 Privacy: a derived setting is a function of public quantities only (sizes, the budget and the user's
 settings), so it is chosen before, and independently of, the private data, like any setting the user gives;
@@ -19,10 +33,14 @@ the run's accountant prices the run with it as with any other value.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ..privacy.calibration import calibrate
+from ..privacy.events import DPSGDPlan
 
 
 @dataclass(frozen=True)
@@ -62,9 +80,12 @@ def derive(algorithm: str, settings: Mapping[str, Any], public: Public) -> dict[
         if settings.get(name) is not None:
             continue
         try:
-            derived[name] = rule({**settings, **{k: d.value for k, d in derived.items()}}, public)
+            value = rule({**settings, **{k: d.value for k, d in derived.items()}}, public)
         except _Missing as missing:
             problems.append(f"{name}: not given, and its default ({missing})")
+            continue
+        if value is not None:  # None: the setting does not apply to this configuration
+            derived[name] = value
     if problems:
         raise ValueError(f"make_private({algorithm!r}): " + "; ".join(problems))
     return derived
@@ -90,14 +111,124 @@ def _period(tau: float, steps: int) -> int:
     return int(min(steps, max(1, round(tau * steps))))
 
 
+@functools.lru_cache(maxsize=256)
+def noise_constant(epsilon: float, delta: float, accountant: str = "pld") -> float:
+    """``c(epsilon, delta)``: ``R`` unsampled Gaussian releases of noise multiplier ``z`` (dpvr's convention:
+    noise std over a record's L2 bound, replace-one) spend exactly ``(epsilon, delta)`` when ``z^2 = c R``.
+
+    The composition of ``R`` Gaussians of multiplier ``z`` is one Gaussian of multiplier ``z / sqrt(R)``, so
+    ``c`` is the squared multiplier of a single release calibrated by ``accountant`` (PLD by default, the one
+    a full-batch run records with): ``c = 71.4`` at ``(1, 1e-6)``, ``5.70`` at ``(4, 1e-6)``. It stands in for
+    the log factors the theorems drop (``Theta(log(1/delta) / epsilon^2)``)."""
+    plan = DPSGDPlan(steps=1, sampling="full", dataset_size=1)
+    z = calibrate(plan, epsilon, delta, accountant=accountant)["gradient"]
+    return float(z * z)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A theorem's schedule at public quantities: ``rounds`` (R), ``restart`` (T; 1 for DP-GD), ``lr`` (eta),
+    ``tau`` (T/R before rounding; 0 for DP-GD), ``bound`` (the predicted ``E||grad f||^2`` with every
+    ``O(.)`` constant 1) and the accountant's ``noise_constant`` ``c`` it was derived with."""
+
+    rounds: int
+    restart: int
+    lr: float
+    tau: float
+    bound: float
+    noise_constant: float
+
+
+def diff2_tau(n_total: int, dimension: int, c: float, lipschitz: float, smoothness: float,
+              gap: float = 1.0) -> float:
+    """Theorem 4.3's proof with the accountant's constant: ``tau = (sqrt(2c) G^2 sqrt(d) / (gap L N))^(2/3)``
+    (module documentation), ``N = n P`` records in all and ``gap = f(x0) - f*``."""
+    return (math.sqrt(2 * c) * lipschitz**2 * math.sqrt(dimension) / (gap * smoothness * n_total)) ** (2 / 3)
+
+
+def diff2_noise(rounds: int, restart: int, c: float) -> tuple[float, float]:
+    """The noise multipliers ``(z1, z2)`` of the restart and difference streams when the budget is split
+    equally between them (the calibration's default): ``z1^2 = 2 c ceil(R/T)``,
+    ``z2^2 = 2 c (R - ceil(R/T))``; ``T = 1`` has no difference stream, and its restarts take the whole
+    budget (``z1^2 = c R``)."""
+    restarts = -(-rounds // restart)
+    if restarts == rounds:
+        return math.sqrt(c * rounds), 0.0
+    return math.sqrt(2 * c * restarts), math.sqrt(2 * c * (rounds - restarts))
+
+
+def diff2_lr(n_total: int, dimension: int, restart: int, z_difference: float, smoothness: float) -> float:
+    """Theorem 4.3's step ``eta = 1 / (L max(1, sqrt(T d) sigma2))`` with the paper's ``sigma2 = z2 / N``
+    (the difference noise on the averaged mean, per unit of radius)."""
+    return 1.0 / (smoothness * max(1.0, math.sqrt(restart * dimension) * z_difference / n_total))
+
+
+def diff2_protocol(n: int, clients: int, dimension: int, epsilon: float, delta: float, lipschitz: float,
+                   smoothness: float, gap: float = 1.0, rounds: int | None = None,
+                   accountant: str = "pld") -> Protocol:
+    """DIFF2-GD's schedule: the proof of Theorem 4.3 with the accountant's constant (module documentation).
+
+    ``rounds`` ``None``: the theorem's ``R = max(1/tau, N / sqrt(2 c d tau))``, the fewest rounds at which the
+    optimisation term ``2 gap L / R`` is no larger than the difference noise's ``2 gap L sqrt(2 c d tau) / N``
+    (past it the bound no longer falls with R). Then ``T = max(1, round(tau R))`` (at most ``R``) and ``eta``
+    by :func:`diff2_lr` with the calibrated ``z2`` (:func:`diff2_noise`)."""
+    c, total = noise_constant(epsilon, delta, accountant), n * clients
+    tau = diff2_tau(total, dimension, c, lipschitz, smoothness, gap)
+    if rounds is None:
+        t = min(tau, 1.0)
+        rounds = math.ceil(max(1.0 / t, total / math.sqrt(2 * c * dimension * t)))
+    restart = _period(tau, rounds)
+    z1, z2 = diff2_noise(rounds, restart, c)
+    lr = diff2_lr(total, dimension, restart, z2, smoothness)
+    bound = 2 * gap / (lr * rounds) + dimension * (z1 * lipschitz / total) ** 2
+    return Protocol(rounds, restart, lr, tau, bound, c)
+
+
+def dpgd_protocol(n: int, clients: int, dimension: int, epsilon: float, delta: float, lipschitz: float,
+                  smoothness: float, gap: float = 1.0, accountant: str = "pld") -> Protocol:
+    """DP-GD's schedule from its standard analysis (the descent lemma with ``eta = 1/L``):
+    ``E||grad f||^2 <= 2 gap L / R + c R d (G / N)^2``, least at ``R = N sqrt(2 gap L / (c d)) / G``, where
+    it is ``2 G sqrt(2 gap L c d) / N``: the ``sqrt(d) / (N epsilon)`` rate against DIFF2's
+    ``(sqrt(d) / (N epsilon))^(4/3)``."""
+    c, total = noise_constant(epsilon, delta, accountant), n * clients
+    rounds = max(1, math.ceil(total * math.sqrt(2 * gap * smoothness / (c * dimension)) / lipschitz))
+    bound = 2 * gap * smoothness / rounds + c * rounds * dimension * (lipschitz / total) ** 2
+    return Protocol(rounds, 1, 1.0 / smoothness, 0.0, bound, c)
+
+
 def _diff2_restart(settings: Mapping[str, Any], p: Public) -> Derived:
-    """DIFF2-GD, Theorem 4.3: ``T = max(1, tau R)``, ``tau = (G^2 sqrt(d) / (L n P epsilon))^(2/3)``."""
-    theorem = "DIFF2 Theorem 4.3, T = max(1, tau R), tau = (C1^2 sqrt(d) / (C2 n P epsilon))^(2/3)"
+    """DIFF2-GD, Theorem 4.3 (its proof, with the accountant's constant): ``T = max(1, tau R)``,
+    ``tau = (sqrt(2 c) C1^2 sqrt(d) / (C2 n P))^(2/3)`` (:func:`diff2_tau`, ``f(x0) - f* = 1``)."""
+    theorem = ("DIFF2 Theorem 4.3 (proof), T = max(1, tau R), tau = (sqrt(2c) C1^2 sqrt(d) / (C2 n P))^(2/3),"
+               " c = z^2/R of the accountant")
     c1, c2 = _radius(settings, "restart", theorem), _radius(settings, "difference", theorem)
-    tau = (c1**2 * math.sqrt(p.dimension) / (c2 * p.n * p.clients * p.epsilon)) ** (2 / 3)
+    c = noise_constant(p.epsilon, p.delta)
+    tau = diff2_tau(p.n * p.clients, p.dimension, c, c1, c2)
     value = _period(tau, p.steps)
     return Derived(value, f"{theorem}: C1={c1:g}, C2={c2:g}, d={p.dimension}, n={p.n}, P={p.clients}, "
-                          f"epsilon={p.epsilon:g}, R={p.steps}: tau={tau:.3g}, T={value}")
+                          f"epsilon={p.epsilon:g}, delta={p.delta:g}, c={c:.4g}, R={p.steps}: tau={tau:.3g}, "
+                          f"T={value}")
+
+
+def _diff2_lr(settings: Mapping[str, Any], p: Public) -> Derived | None:
+    """DIFF2-GD, Theorem 4.3: ``eta = 1 / (C2 max(1, sqrt(T d) z2 / (n P)))`` (:func:`diff2_lr`), ``C2``
+    standing in for ``L``; ``z2`` the given difference multiplier, else the calibration's (equal shares)."""
+    if settings.get("optimizer") is not None:
+        return None  # the user's optimizer takes the step
+    if settings.get("routine", "gd") != "gd":
+        raise _Missing("Theorem 4.3's step size is DIFF2-GD's; give lr for the BVR-L-SGD routine")
+    theorem = "DIFF2 Theorem 4.3, eta = 1 / (C2 max(1, sqrt(T d) z2 / (n P)))"
+    c2 = _radius(settings, "difference", theorem)
+    restart = int(settings["restart"])
+    noise = settings.get("noise")
+    if isinstance(noise, Mapping) and "difference" in noise:
+        z2, source = float(noise["difference"]), "given"
+    else:
+        c = noise_constant(p.epsilon, p.delta)
+        z2, source = diff2_noise(p.steps, restart, c)[1], f"2c(R - ceil(R/T)), c={c:.4g}"
+    value = diff2_lr(p.n * p.clients, p.dimension, restart, z2, c2)
+    return Derived(value, f"{theorem}: C2={c2:g} (for L), T={restart}, d={p.dimension}, n={p.n}, "
+                          f"P={p.clients}, z2={z2:.4g} ({source}): eta={value:.4g}")
 
 
 def _private_diff_restart(settings: Mapping[str, Any], p: Public) -> Derived:
@@ -160,7 +291,7 @@ def _spider_batch_sizes(streams: tuple[str, str, str, str], refresh: tuple[str, 
 
 
 _RULES: dict[str, dict[str, Any]] = {
-    "diff2": {"restart": _diff2_restart},
+    "diff2": {"restart": _diff2_restart, "lr": _diff2_lr},
     "private-diff": {"restart": _private_diff_restart, "y_steps": _private_diff_y_steps},
     "double-spider": {
         "restart": _spider_restart,
