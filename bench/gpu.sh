@@ -5,12 +5,17 @@
 #                         (memcheck, racecheck) over a driver of every kernel path
 #   bench/gpu.sh bench    stage 2: the kernels against a device-to-device copy, torch eager and Opacus; one
 #                         full step (non-private, Opacus hooks and ghost, dpvr's make_private DP-SGD step and
-#                         its difference rounds) on the MLP, CNN and transformer cases, with host syncs;
-#                         each method's step under torch's profiler (kernels launched, device time)
-#   bench/gpu.sh all      both, one after the other
+#                         its DIFF2 round) at the sizes users train (dpvr bench step --real: GPT-2 small T = 512
+#                         B = 16 and 32, ResNet-18 B = 256 and 1024, BERT-base T = 128 B = 32) under bf16
+#                         autocast, then GPT-2 B = 16 and ResNet-18 B = 256 in float32, with peak memory and host
+#                         syncs; the kernels each step launches (bench/step_profile.py); then, as time allows,
+#                         the small MLP, CNN and transformer cases and their profile
+#   bench/gpu.sh all      both, one after the other (planned to fit one 10-minute call: stage 1 about 80 s,
+#                         stage 2 at most BENCH_BUDGET seconds, default 420)
 #
 # DRY_RUN=1 runs either stage on a machine without a GPU: the same build (CUDA compiled in), the same Python
-# code paths on the CPU, and only the calls that need a device skipped; run it before a visit.
+# code paths on the CPU (the real cases at their reduced size, --reduced), and only the calls that need a
+# device skipped; run it before a visit.
 #
 # Each stage writes its whole output to $OUT/gpu_<stage>.log (OUT defaults to results/) and its figures as JSON
 # beside it, and prints a one-line verdict last. Nothing is downloaded: python with torch, pytest, pybind11,
@@ -114,8 +119,8 @@ sys.exit(0 if (staged or '$DRY' == '1') and b['cuda_compiled'] and (b['cuda_avai
 export PYTHONUNBUFFERED=1
 
 if [ "$STAGE" = check ]; then
-  step "GPU tests (tests/test_cuda.py, tests marked gpu)"
-  run "GPU tests" 150 "$PY" -m pytest -m gpu tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5 \
+  step "GPU tests (tests/test_cuda.py, tests/test_bench_step.py: tests marked gpu)"
+  run "GPU tests" 150 "$PY" -m pytest -m gpu tests/test_cuda.py tests/test_bench_step.py -q -p no:cacheprovider -rs --durations=5 \
     >"$LOGS/tests.log" 2>&1
   tail -25 "$LOGS/tests.log"
 
@@ -146,16 +151,46 @@ else
   else
     run "kernel benchmark" 120 "${cli[@]}" bench kernels --device cuda --json "$OUT_DIR/bench_kernels_cuda.json"
   fi
-  device=cuda quick=()
-  if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1); fi
-  for case in mlp cnn transformer; do
-    step "benchmark: one step, $case (dpvr bench step --device $device)"
-    run "step benchmark $case" 100 "${cli[@]}" bench step --device "$device" --case "$case" --memory "${quick[@]}" \
-      --json "$OUT_DIR/bench_step_${case}_$device.json"
+  device=cuda quick=(--quick) reduced=()
+  if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1) reduced=(--reduced); fi
+  # Seconds for this stage, from its start. A dry run on a shared CPU is slower than the device and must
+  # reach every code path: there the budget and each limit are four times larger.
+  slow=1
+  if [ "$DRY" = 1 ]; then slow=4; fi
+  budget="${BENCH_BUDGET:-$((420 * slow))}"
+  left() { echo $((budget - (SECONDS - started))); }
+  within() {  # within NAME SECONDS COMMAND...: run it with at most what the budget has left
+    local name=$1 limit=$(($2 * slow)) rest
+    shift 2
+    rest=$(left)
+    if [ "$rest" -lt 20 ]; then echo "not run: the stage's budget (${budget}s) is spent: $name"; return 0; fi
+    run "$name" "$((limit < rest ? limit : rest))" "$@"
+  }
+  "$PY" -c "import transformers" 2>/dev/null ||
+    echo "transformers is missing: the GPT-2 and BERT cases will fail (bench/gpu_wheels.sh carries it)"
+  # The real cases under bf16 autocast (as users train), most wanted first; then float32 for the two
+  # target cases. One process per case: a case that fails or runs out of time leaves the others' figures.
+  for spec in gpt2-small-b16:bf16:90 resnet18-b256:bf16:70 bert-base-b32:bf16:70 gpt2-small-b32:bf16:100 \
+    resnet18-b1024:bf16:100 gpt2-small-b16:none:90 resnet18-b256:none:70; do
+    IFS=: read -r case precision limit <<<"$spec"
+    step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
+    within "step benchmark $case $precision" "$limit" "${cli[@]}" bench step --device "$device" --case "$case" \
+      --autocast "$precision" --memory "${quick[@]}" "${reduced[@]}" \
+      --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
   done
-  step "profile: where each method's step time goes (bench/step_profile.py --device $device)"
-  rounds=5
+  rounds=3
   if [ "$DRY" = 1 ]; then rounds=1; fi
-  run "step profile" 120 "$PY" bench/step_profile.py --device "$device" --rounds "$rounds" 2>&1 | grep -v "^USDT:"
+  for case in gpt2-small-b16 resnet18-b256; do
+    step "profile at real size: kernels launched and device time per step, $case, bf16 (bench/step_profile.py)"
+    within "step profile $case" 90 "$PY" bench/step_profile.py --device "$device" --case "$case" --autocast bf16 \
+      --rounds "$rounds" "${reduced[@]}" > >(grep -v "^USDT:") 2>&1
+  done
+  for case in mlp cnn transformer; do
+    step "benchmark: one step, $case (dpvr bench step --device $device), as time allows"
+    within "step benchmark $case" 60 "${cli[@]}" bench step --device "$device" --case "$case" --memory \
+      "${quick[@]}" --json "$OUT_DIR/bench_step_${case}_$device.json"
+  done
+  step "profile: where each method's step time goes (bench/step_profile.py --device $device), as time allows"
+  within "step profile" 90 "$PY" bench/step_profile.py --device "$device" --rounds "$rounds" > >(grep -v "^USDT:") 2>&1
 fi
 verdict

@@ -1,6 +1,9 @@
 """Where one step's time goes: every method of ``dpvr bench step`` under torch's profiler.
 
-    python bench/step_profile.py [--device cuda] [--case cnn] [--rounds 5]
+    python bench/step_profile.py [--device cuda] [--case cnn] [--rounds 5] [--autocast bf16] [--reduced]
+
+The real cases (``dpvr bench step --real``: ``--case gpt2-small-b16`` ...) profile the methods they time;
+``--reduced`` runs them at their small size (dry runs), ``--autocast bf16`` every step under bf16 autocast.
 
 For each method: wall ms per step, device kernels launched per step and their summed device time (CUDA only),
 and the operators with the most host time (self time, summed over the rounds). On a GPU a step whose kernels
@@ -16,7 +19,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dpvr.bench import step
+from dpvr.bench import REAL_CASES, step
 
 
 def profile_method(fn, rounds: int, on_cuda: bool) -> tuple[float, float, float, list[tuple[str, float]]]:
@@ -42,15 +45,19 @@ def profile_method(fn, rounds: int, on_cuda: bool) -> tuple[float, float, float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--case", default="all", choices=[*step.CASES, "all"])
+    parser.add_argument("--case", default="all", choices=[*step.CASES, *REAL_CASES, "all"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--autocast", choices=["none", "bf16"], default="none")
+    parser.add_argument("--reduced", action="store_true", help="a real case at its small size")
     args = parser.parse_args()
     on_cuda = args.device == "cuda"
+    autocast = torch.bfloat16 if args.autocast == "bf16" else None
     for name in step.CASES if args.case == "all" else (args.case,):
-        case = step.make_case(name, device=args.device)
+        real = name in REAL_CASES
+        case = step.make_case(name, device=args.device, reduced=args.reduced and real, autocast=autocast)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fns, _ = step._methods(case)
+            fns, _ = step._methods(case, step.REAL_METHODS if real else None)
             print(f"\n## {case.label}")
             print("| method | wall ms | kernels | device ms | busy | top host operators (ms per step) |")
             print("| --- | ---: | ---: | ---: | ---: | --- |")

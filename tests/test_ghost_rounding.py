@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -206,6 +207,22 @@ def test_float32_clipped_difference_of_one_sample_stays_within_clip(name, backen
 def test_float32_clipped_gradient_of_one_sample_stays_within_clip(name, backend) -> None:
     worst, over = worst_ratio(name, backend, difference=False)
     assert over == 0, f"{over} of {SEEDS} seeds wrote a gradient of norm up to {worst:.6f} C"
+
+
+
+@pytest.mark.parametrize("difference", [False, True], ids=["gradient", "difference"])
+@pytest.mark.parametrize("name", ["shared-linear", "sequence-linear", "conv-positions"])
+def test_bf16_autocast_clipped_contribution_of_one_sample_stays_within_clip(name, difference,
+                                                                            monkeypatch) -> None:
+    """Under bf16 autocast the recorded activations and output gradients are bf16; the clipper widens them to
+    float32 (exactly) and forms norms, factors and sums with autocast off, so the float32 bound holds for the
+    per-sample gradients of the bf16 activations: the written contribution's exact norm is at most C. The
+    second point moves by 3e-2 of the largest entry: a 1e-4 move is below bf16's resolution (2^-8), where
+    both points give the same bf16 activations and the difference is exactly zero."""
+    monkeypatch.setattr(sys.modules[__name__], "STEP", 3e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        worst, over = worst_ratio(name, "native", difference=difference, seeds=20)
+    assert over == 0, f"{over} of 20 seeds wrote a contribution of norm up to {worst:.6f} C under bf16"
 
 
 # ---- the parts themselves ----
