@@ -7,6 +7,7 @@ layer activations and output gradients, without per-sample gradients ("ghost cli
 get ghost rules with :func:`register_ghost_rule` (a :class:`GhostRule` subclass per layer family).
 """
 
+from .fields import Fields, as_inputs
 from .ghost import ClippedSum, GhostClipper, GhostRule, register_ghost_rule
 from .materialized import (
     Grads,
@@ -19,10 +20,12 @@ from .materialized import (
 
 __all__ = [
     "ClippedSum",
+    "Fields",
     "GhostClipper",
     "GhostRule",
     "Grads",
     "LossFn",
+    "as_inputs",
     "clip_dtype",
     "per_sample_grads",
     "per_sample_grads_at_two_points",

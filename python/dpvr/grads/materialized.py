@@ -10,7 +10,7 @@ index, or ``lambda out, y: 0.5 * (out - y).pow(2).sum()``. It must not reduce ov
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_map
 
 from ..problems import LossFn
+from .fields import as_inputs, model_args
 
 Grads = list[Tensor]
 """One ``B × (parameter shape)`` tensor per trainable parameter, in ``model.parameters()`` order."""
@@ -104,25 +105,44 @@ def _compute(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets: Tensor,
     """Per-sample gradients and losses at each parameter point, keyed by the argument name that supplied it
     (``None``: the model's own values)."""
     named = trainable_parameters(model)
-    if inputs.dim() == 0 or targets.dim() == 0:
+    inputs, targets = as_inputs(inputs), as_inputs(targets)
+    if any(isinstance(t, Tensor) and t.dim() == 0 for t in (inputs, targets)):
         raise ValueError("inputs and targets need a leading batch dimension, got a 0-d tensor")
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(f"inputs and targets need the same batch size, got shapes {tuple(inputs.shape)} "
-                         f"and {tuple(targets.shape)}")
-    batch = inputs.shape[0]
+    if len(inputs) != len(targets):
+        raise ValueError(f"inputs and targets need the same batch size, got {len(inputs)} and "
+                         f"{len(targets)} records")
+    batch = len(inputs)
     if batch == 0:
         raise ValueError("empty batch: inputs and targets have no samples")
     values = [[p for _, p in named] if point is None else _check_point(point, named, label)
               for label, point in points.items()]
     names = [name for name, _ in named]
 
-    def sample_loss(point: list[Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        output = functional_call(model, dict(zip(names, point)), (x.unsqueeze(0),))
+    def sample_loss(point: list[Tensor], x: Any, y: Any) -> tuple[Tensor, Tensor]:
+        # A batch of one record (every field of structured inputs), given to the model unpacked.
+        args, kwargs = model_args(tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, x))
+        output = functional_call(model, dict(zip(names, point)), args, kwargs)
         loss = loss_fn(tree_map(lambda t: t.squeeze(0) if isinstance(t, Tensor) else t, output), y)
         return loss, loss
 
     # Each record draws its own dropout masks, as in a batched forward pass.
-    grads_and_loss = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+    vmapped = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+    one = grad(sample_loss, has_aux=True)
+
+    def looped(point: list[Tensor], x: Any, y: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The records one at a time: for a forward with control flow on the values of its inputs (Hugging
+        Face models inspect an attention mask to choose an attention kernel), which ``vmap`` cannot map."""
+        each = [one(point, tree_map(lambda t, i=i: t[i], x), tree_map(lambda t, i=i: t[i], y))
+                for i in range(len(x))]
+        return tuple(torch.stack(g) for g in zip(*(e[0] for e in each))), torch.stack([e[1] for e in each])
+
+    def grads_and_loss(point: list[Tensor], x: Any, y: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+        try:
+            return vmapped(point, x, y)
+        except RuntimeError as err:
+            if not str(err).startswith("vmap:"):
+                raise
+        return looped(point, x, y)
     per_sample_bytes = len(points) * sum(p.numel() * p.element_size() for _, p in named)
     size = _chunk_size(batch, per_sample_bytes, chunk_size, max_memory_bytes)
     # Outside no_grad, parameters that require grad would make the results part of an outer autograd
@@ -166,7 +186,9 @@ def per_sample_grads(model: nn.Module, loss_fn: LossFn, inputs: Tensor, targets:
         model: any module without batch-norm layers; it is called functionally and not modified. Random
             layers (dropout) must be in eval mode: vmap rejects random operations.
         loss_fn: per-sample loss, see the module docstring for the contract.
-        inputs: ``(B, ...)`` tensor; targets: ``(B, ...)`` tensor.
+        inputs: ``(B, ...)`` tensor, or :class:`~dpvr.grads.Fields` (a dict or tuple of such tensors: the
+            model is called with them unpacked); targets: ``(B, ...)`` tensor (or fields, given to
+            ``loss_fn`` as they are).
         params: values for the trainable parameters (same order, shapes, dtypes and devices) to evaluate
             at another point; default the model's own.
         chunk_size: at most this many samples per vmap call.

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,13 +42,16 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
+from ..grads.fields import Fields, cat
+from ..grads.fields import leaves as data_leaves
 from .binding import data_fingerprint
 from .sampling import BatchSampler, batch_rows
 
 
 class Batch:
     """The records of one draw: ``inputs`` and ``targets`` (unpack it: ``inputs, targets = batch``);
-    ``len(batch)`` is the number of records."""
+    ``len(batch)`` is the number of records. Either may be :class:`~dpvr.grads.Fields` (several tensors per
+    record, e.g. ``input_ids`` and ``attention_mask``)."""
 
     __slots__ = ("inputs", "targets")
 
@@ -62,8 +65,17 @@ class Batch:
         return len(self.inputs)
 
     def __repr__(self) -> str:
-        shapes = f"inputs {tuple(self.inputs.shape)}, targets {tuple(self.targets.shape)}"
+        shapes = f"inputs {_shape(self.inputs)}, targets {_shape(self.targets)}"
         return f"Batch({len(self)} records: {shapes})"
+
+
+def _shape(x: Tensor | Fields) -> Any:
+    return x if isinstance(x, Fields) else tuple(x.shape)
+
+
+def _trailing(x: Tensor | Fields) -> list[tuple[int, ...]]:
+    """The per-record shape of every tensor of ``x`` (its trailing dimensions)."""
+    return [tuple(t.shape[1:]) for t in data_leaves(x)]
 
 
 PROBE = 16  # records read at set-up for the checks (and returned by probe(k <= PROBE))
@@ -117,7 +129,7 @@ class Records:
         data; what a data-parallel run's processes compare (:mod:`dpvr.trainer.parallel`)."""
         h = hashlib.sha256(f"records n={len(self)};".encode())
         for batch in self._every_chunk():
-            for t in batch:
+            for t in data_leaves(*batch):
                 t = t.detach().cpu().contiguous()
                 h.update(f"{tuple(t.shape)} {t.dtype};".encode())
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -145,7 +157,9 @@ def as_records(inputs: Tensor | Records, targets: Tensor | None) -> Records:
     return TensorRecords(inputs, targets)
 
 
-def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+def _cast(t: Tensor | Fields, dtype: torch.dtype | None) -> Tensor | Fields:
+    if isinstance(t, Fields):
+        return t.map(lambda u: _cast(u, dtype))
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
@@ -295,7 +309,7 @@ class _Stream:
 
 def _check_rows(batch: Batch, records: int) -> Batch:
     """``batch``, refused unless it has one row per record loaded."""
-    rows = [t.shape[0] if t.dim() else None for t in batch]
+    rows = [len(t) if isinstance(t, Fields) or t.dim() else None for t in batch]
     if rows != [records, records]:
         raise ValueError(
             f"data: {records} records were collated into {rows[0]} input rows and {rows[1]} target rows; "
@@ -326,7 +340,9 @@ _LOADER_OPTIONS = (
 class DatasetRecords(Records):
     """A map-style ``dataset`` whose records are loaded when drawn, collated by ``collate_fn``.
 
-    Each record must collate to an ``(input, target)`` pair (checked on the first records at construction);
+    Each record must collate to an ``(input, target)`` pair (checked on the first records at construction),
+    where the input may be structured (:meth:`convert`: a dict or tuple of tensors, or a Hugging Face record
+    whose ``labels`` field is the target);
     floating-point tensors are cast to ``dtype`` and every batch is moved to ``device`` (through pinned memory
     when ``pin_memory`` and ``device`` is a GPU).
 
@@ -444,18 +460,47 @@ class DatasetRecords(Records):
         return self.collate_fn(records)
 
     def convert(self, raw: Any) -> Batch:
-        """A collated batch as ``(inputs, targets)`` on the device, floating tensors in ``dtype``."""
-        if not (isinstance(raw, (tuple, list)) and len(raw) == 2):
+        """A collated batch as ``(inputs, targets)`` on the device, floating tensors in ``dtype``.
+
+        What a batch of records may collate to:
+
+        - ``(input, target)``: an input tensor, or a structured input (a dict of tensors: the model is
+          called with them as keyword arguments, ``model(**input)``; a tuple or list of tensors: as
+          positional arguments) as :class:`~dpvr.grads.Fields`; a target tensor (or a dict or tuple of
+          tensors, given to the loss as they are);
+        - ``(x1, ..., xk, target)`` with ``k >= 2``: the model's positional inputs and the target (a
+          ``TensorDataset(input_ids, attention_mask, labels)``);
+        - a dict with a ``"labels"`` field (a Hugging Face collator's output): ``labels`` is the target and
+          the other fields are the model's keyword inputs. The model never sees the labels, so its own
+          ``.loss`` (a mean over the batch's tokens, which couples records) is not computed: the criterion
+          forms each record's loss from the output and the labels.
+        """
+        if isinstance(raw, Mapping):
+            if "labels" not in raw:
+                raise TypeError(
+                    f"data: a record that is a dict needs a 'labels' field (the target), got fields "
+                    f"{sorted(map(str, raw))}; or give (input, target) pairs with the dict as the input"
+                )
+            inputs: Any = {k: v for k, v in raw.items() if k != "labels"}
+            targets: Any = raw["labels"]
+        elif isinstance(raw, (tuple, list)) and len(raw) == 2:
+            inputs, targets = raw
+        elif isinstance(raw, (tuple, list)) and len(raw) > 2:
+            inputs, targets = tuple(raw[:-1]), raw[-1]
+        else:
             raise TypeError(
                 f"data: each record must be an (input, target) pair, got a batch of {type(raw).__name__}"
             )
-        out = []
-        for t in raw:
-            t = torch.as_tensor(t)
-            if t.device != self.device:
-                t = t.to(self.device, non_blocking=t.is_pinned())
-            out.append(_cast(t, self.dtype))
-        return Batch(out[0], out[1])
+        return Batch(self._place(inputs), self._place(targets))
+
+    def _place(self, value: Any) -> Tensor | Fields:
+        """A collated tensor (or fields) on the device, floating tensors in ``dtype``."""
+        if isinstance(value, (Mapping, tuple, list, Fields)):
+            return Fields(value).map(self._place)
+        t = torch.as_tensor(value)
+        if t.device != self.device:
+            t = t.to(self.device, non_blocking=t.is_pinned())
+        return _cast(t, self.dtype)
 
     def empty(self) -> Batch:
         """No record: tensors of the first records' trailing shapes with no row (an empty Poisson draw)."""
@@ -505,9 +550,9 @@ class DatasetRecords(Records):
         parts = self._load([list(range(s, min(n, s + size))) for s in range(0, n, size)])
         if len(parts) == 1:
             batch = parts[0]
-        elif all(p.inputs.shape[1:] == parts[0].inputs.shape[1:] and p.targets.shape[1:] ==
-                 parts[0].targets.shape[1:] for p in parts):
-            batch = Batch(torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts]))
+        elif all(_trailing(p.inputs) == _trailing(parts[0].inputs) and _trailing(p.targets) ==
+                 _trailing(parts[0].targets) for p in parts):
+            batch = Batch(cat([p.inputs for p in parts]), cat([p.targets for p in parts]))
         else:  # a collate that pads per batch: the full batch is one batch
             del parts
             batch = self._load([list(range(n))])[0]
@@ -552,7 +597,7 @@ class DatasetRecords(Records):
             spread = sorted({int(i) for i in np.linspace(0, self.n - 1, FINGERPRINT_RECORDS).round()})
             with _fixed_randomness():
                 x, y = self.convert(self._read(spread))
-            values = data_fingerprint([x, y])
+            values = data_fingerprint(data_leaves(x, y))
             self._fingerprint = "records " + hashlib.sha256(f"{head} {spread} {values}".encode()).hexdigest()
         return self._fingerprint
 

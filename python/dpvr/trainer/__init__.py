@@ -2,7 +2,7 @@
 
 from .collate import pad_collate, recordwise
 from .data import dataset_records
-from .losses import check_separable, per_sample
+from .losses import TokenLoss, check_separable, per_sample
 from .trainer import ALGORITHMS, PrivateTrainer, make_private
 from .validation import Finding, fix, validate
 
@@ -10,6 +10,7 @@ __all__ = [
     "ALGORITHMS",
     "Finding",
     "PrivateTrainer",
+    "TokenLoss",
     "check_separable",
     "dataset_records",
     "fix",

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..grads import trainable_parameters
+from ..grads import Fields, as_inputs, trainable_parameters
+from ..grads.fields import call, cat
 from ..optim.gradients import ClippedGradients
 from .validation import refuse_invalid
 
@@ -58,7 +59,9 @@ def check_model(
     """Runs the checks of the module documentation on the probe records ``inputs`` (and ``targets``);
     returns the gradient mode the run may use (``grad_mode``, or ``"materialised"`` where ``"auto"`` had to
     fall back). Without ``loss`` the gradient oracle is skipped (the minimax problems form their own
-    per-sample losses)."""
+    per-sample losses). ``inputs`` may be :class:`~dpvr.grads.Fields` (a dict or tuple of tensors per
+    record): each field is the record's own, replaced field by field in the synthetic records."""
+    inputs = as_inputs(inputs)
     refuse_invalid(model)
     probe = copy.deepcopy(model)
     for training in (True, False):
@@ -74,7 +77,7 @@ def check_model(
 # ---- 2. writes --------------------------------------------------------------------------------------------
 
 
-def _check_no_writes(model: nn.Module, x: Tensor, training: bool) -> None:
+def _check_no_writes(model: nn.Module, x: Tensor | Fields, training: bool) -> None:
     def state() -> dict[str, tuple[int, int]]:
         tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
@@ -82,7 +85,7 @@ def _check_no_writes(model: nn.Module, x: Tensor, training: bool) -> None:
 
     before = state()
     with torch.no_grad():
-        model(x)
+        call(model, x)
     after = state()
     written = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     if written:
@@ -103,7 +106,7 @@ def _owner(model: nn.Module, name: str) -> str:
 # ---- 3. independence --------------------------------------------------------------------------------------
 
 
-def _check_independent(model: nn.Module, inputs: Tensor) -> None:
+def _check_independent(model: nn.Module, inputs: Tensor | Fields) -> None:
     if len(inputs) < 2:
         return
     x = inputs[:8]
@@ -111,8 +114,8 @@ def _check_independent(model: nn.Module, inputs: Tensor) -> None:
     model.eval()
     for batch in (x, synthetic[0]):
         with torch.no_grad():
-            batched = _leaves(model(batch), len(batch))
-            alone = [_leaves(model(batch[i : i + 1]), 1) for i in range(len(batch))]
+            batched = _leaves(call(model, batch), len(batch))
+            alone = [_leaves(call(model, batch[i : i + 1]), 1) for i in range(len(batch))]
         for k, leaf in enumerate(batched):
             joined = torch.cat([a[k] for a in alone]) if all(len(a) > k for a in alone) else None
             if joined is not None and joined.shape == leaf.shape and not _close(leaf, joined):
@@ -136,8 +139,8 @@ def _check_independent(model: nn.Module, inputs: Tensor) -> None:
     model.train()
     for kept, before, after in swaps:
         with torch.no_grad():
-            first = _leaves(_seeded(model, torch.cat([kept, before])), len(x))
-            second = _leaves(_seeded(model, torch.cat([kept, after])), len(x))
+            first = _leaves(_seeded(model, cat([kept, before])), len(x))
+            second = _leaves(_seeded(model, cat([kept, after])), len(x))
         for a, b in zip(first, second):
             if a.shape == b.shape and not _close(a[:half], b[:half]):
                 raise ValueError(_MIXES.format(
@@ -146,11 +149,18 @@ def _check_independent(model: nn.Module, inputs: Tensor) -> None:
                 ))
 
 
-def _synthetic(model: nn.Module, like: Tensor, k: int) -> Tensor:
+def _synthetic(model: nn.Module, like: Tensor | Fields, k: int) -> Tensor | Fields:
     """``len(like)`` random records of ``like``'s shape, dtype and device from a fixed public seed (the
     ``k``-th set): floating values uniform over the probe's range (widened to ``[lo - 1, hi + 1]`` where the
     probe is constant, so that they always differ from it), integers (tokens) uniform over the probe's range
-    up to the smallest vocabulary of the model's embeddings, booleans fair coins."""
+    up to the smallest vocabulary of the model's embeddings, booleans fair coins. Structured records
+    (:class:`~dpvr.grads.Fields`: ``input_ids``, ``attention_mask``, ...): every field so, each from its own
+    seed and over its own range, except that an integer field whose probe is all 0 and 1 (an attention mask,
+    token types) is drawn as fair 0/1 coins rather than widened to the vocabulary, which it does not index."""
+    if isinstance(like, Fields):
+        return Fields._unchecked(like.names, [
+            _coins(t, k + 7919 * (j + 1)) if _binary(t) else _synthetic(model, t, k + 7919 * (j + 1))
+            for j, t in enumerate(like.tensors)])
     g = torch.Generator().manual_seed(_SEED + 1 + k)
     if like.dtype == torch.bool:
         return (torch.rand(like.shape, generator=g) < 0.5).to(like.device)
@@ -175,6 +185,16 @@ def _synthetic(model: nn.Module, like: Tensor, k: int) -> Tensor:
     return values.to(dtype=like.dtype, device=like.device)
 
 
+def _binary(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool) and t.numel() > 0 and bool(
+        ((t == 0) | (t == 1)).all())
+
+
+def _coins(like: Tensor, k: int) -> Tensor:
+    g = torch.Generator().manual_seed(_SEED + 1 + k)
+    return (torch.rand(like.shape, generator=g) < 0.5).to(dtype=like.dtype, device=like.device)
+
+
 _MIXES = (
     "module: in {mode} mode, a record's output depends on the other records of its batch ({how}), so one "
     "record moves the others' gradients and clipping bounds nothing; compute such statistics per record or "
@@ -182,11 +202,11 @@ _MIXES = (
 )
 
 
-def _seeded(model: nn.Module, x: Tensor) -> object:
+def _seeded(model: nn.Module, x: Tensor | Fields) -> object:
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(_SEED)
-        return model(x)
+        return call(model, x)
 
 
 def _leaves(output: object, batch: int) -> list[Tensor]:
@@ -234,7 +254,7 @@ def _alone(model: nn.Module, loss: Callable, x: Tensor, y: Tensor) -> list[list[
     _, params = zip(*trainable_parameters(model))
     grads = []
     for i in range(len(x)):
-        output = tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, model(x[i : i + 1]))
+        output = tree_map(lambda t: t[0] if isinstance(t, Tensor) else t, call(model, x[i : i + 1]))
         value = loss(output, y[i])
         grads.append([g if g is not None else torch.zeros_like(p) for g, p in
                       zip(torch.autograd.grad(value, params, allow_unused=True), params)])

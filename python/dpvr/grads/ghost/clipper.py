@@ -17,6 +17,8 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ... import ops
+from ..fields import Fields, as_inputs, cat, model_args
+from ..fields import leaves as data_leaves
 from ..materialized import Grads, LossFn, _check_point, clip_dtype, trainable_parameters
 from . import norms as torch_norms
 from .fallback import VjpRule
@@ -284,6 +286,7 @@ class GhostClipper:
         float64; ``wide=True`` returns them so (for a caller that keeps them in float64 until the noise is
         added), else rounded once to the parameters' dtype.
         """
+        inputs, targets = as_inputs(inputs), as_inputs(targets)
         batch = self._check_batch(inputs, targets, clip)
         weights = self._check_scalars(weights, "weights", batch)
         rec = self._record(inputs, targets, params, "params", keep=True)
@@ -303,6 +306,7 @@ class GhostClipper:
         result are the per-sample losses at ``params_a`` and ``params_b``. ``wide``: as for
         :meth:`clipped_sum`.
         """
+        inputs, targets = as_inputs(inputs), as_inputs(targets)
         batch = self._check_batch(inputs, targets, clip)
         a = self._check_scalars(a, "a", batch)
         b = self._check_scalars(b, "b", batch)
@@ -320,19 +324,19 @@ class GhostClipper:
     # ---- checks ----
 
     @staticmethod
-    def _check_batch(inputs: Tensor, targets: Tensor, clip: float) -> int:
+    def _check_batch(inputs: Tensor | Fields, targets: Tensor | Fields, clip: float) -> int:
         if not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
             raise ValueError(f"clip: must be a finite number > 0, got {clip!r}")
-        if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
-            raise TypeError("inputs and targets must be tensors")
-        if inputs.dim() == 0 or targets.dim() == 0:
+        if not isinstance(inputs, (Tensor, Fields)) or not isinstance(targets, (Tensor, Fields)):
+            raise TypeError("inputs and targets must be tensors (or Fields: a dict or tuple of tensors)")
+        if any(isinstance(t, Tensor) and t.dim() == 0 for t in (inputs, targets)):
             raise ValueError("inputs and targets need a leading batch dimension, got a 0-d tensor")
-        if inputs.shape[0] != targets.shape[0]:
-            raise ValueError(f"inputs and targets need the same batch size, got shapes {tuple(inputs.shape)} "
-                             f"and {tuple(targets.shape)}")
-        if inputs.shape[0] == 0:
+        if len(inputs) != len(targets):
+            raise ValueError(f"inputs and targets need the same batch size, got {len(inputs)} and "
+                             f"{len(targets)} records")
+        if len(inputs) == 0:
             raise ValueError("empty batch: inputs and targets have no samples")
-        return inputs.shape[0]
+        return len(inputs)
 
     def _check_scalars(self, s: Tensor | None, name: str, batch: int) -> Tensor | None:
         if s is None:
@@ -362,7 +366,7 @@ class GhostClipper:
         # The recording's calls hold the parameter values: copies, which later steps cannot change.
         point_copy = [v.clone() for v in values]
         recording = self._run(inputs, targets, point_copy)
-        self._kept = _Kept(recording, [(inputs, inputs._version), (targets, targets._version)], point_copy,
+        self._kept = _Kept(recording, [(t, t._version) for t in data_leaves(inputs, targets)], point_copy,
                            self._state(), tuple(m.training for m in self.model.modules()))
         return recording
 
@@ -374,7 +378,7 @@ class GhostClipper:
 
     def _describes(self, kept: _Kept, inputs: Tensor, targets: Tensor, values: list[Tensor]) -> bool:
         """Whether ``kept`` is the recording this call would make (see ``reuse_recording``)."""
-        return (_unchanged(kept.data, [inputs, targets])
+        return (_unchanged(kept.data, data_leaves(inputs, targets))
                 and _unchanged(kept.state, [t for t, _ in self._state()])
                 and kept.modes == tuple(m.training for m in self.model.modules())
                 # one synchronisation on a device, not one per tensor
@@ -406,7 +410,7 @@ class GhostClipper:
         position_wise = [layer for layer in self._layers if layer.rule.position_wise]
         if not position_wise:
             return {}
-        for rows in (inputs, torch.cat([inputs, inputs[:1]])):
+        for rows in (inputs, cat([inputs, inputs[:1]])):
             seen: dict[_Layer, list[list[int]]] = {layer: [] for layer in position_wise}
 
             def hook_for(layer: _Layer, seen=seen):
@@ -419,7 +423,7 @@ class GhostClipper:
             try:
                 with torch.no_grad():
                     leaves = {name: v.detach() for (name, _), v in zip(self._named, values)}
-                    functional_call(self.model, leaves, (rows,))
+                    functional_call(self.model, leaves, *model_args(rows))
             finally:
                 for h in handles:
                     h.remove()
@@ -438,7 +442,7 @@ class GhostClipper:
         """One forward and one backward pass at the parameter ``values``. The forward reads fresh leaves,
         never the model's own parameters: autocast caches its casts of those until its region ends, which
         would serve a later step stale weights."""
-        batch = inputs.shape[0]
+        batch = len(inputs)
         calls: dict[_Layer, list[LayerCall]] = {layer: [] for layer in self._layers}
         # (call, output leaf index or internal name, gradient edge, the output's zeros): the outputs are not
         # held, so each is freed when the forward no longer needs it, as in an unrecorded pass.
@@ -504,7 +508,7 @@ class GhostClipper:
             with torch.enable_grad():
                 # Leaves that require gradients: every tracked output has a gradient edge.
                 leaves = {name: v.detach().requires_grad_() for (name, _), v in zip(self._named, values)}
-                output = functional_call(self.model, leaves, (inputs,))
+                output = functional_call(self.model, leaves, *model_args(inputs))
                 # A structured output (a ModelOutput with a cache): the loss gets its per-record tensors only.
                 output = tree_map(lambda t: t if _batched(t, batch) else None, output)
                 losses = vmap(self.loss_fn)(output, targets)
