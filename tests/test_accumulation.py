@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from dpvr import ops
+from dpvr.optim import DPGD, DPSGD, PrivacyConfig, RuntimeConfig
 from dpvr.optim import gradients as engine
 from dpvr.optim.gradients import ClippedGradients, accumulators
+from dpvr.optim.sampling import BatchSampler
 
 N = 10**6  # records
 D = 4  # features: a tiny model keeps 10^6 records fast
@@ -166,3 +168,85 @@ def test_accumulators_are_float64_zeros_shaped_like_the_parameters() -> None:
     assert [(t.dtype, tuple(t.shape), float(t.abs().sum())) for t in acc] == [
         (torch.float64, (3,), 0.0), (torch.float64, (2, 2), 0.0)]
     assert engine._wide(acc)[0] is acc[0]
+
+
+# ---- the release: what DP-SGD and DP-GD hand to the noise ------------------------------------------------
+def _clipped_term() -> np.ndarray:
+    """One record's clipped gradient (targets ``-HUGE^2``) on the ghost path, in float64."""
+    x, y = _records(1, "aligned")
+    out = accumulators([torch.zeros(D)])
+    ClippedGradients(_model(), _loss, mode="ghost").sum(x, y, CLIP, out)
+    return out[0].numpy()
+
+
+def _adversarial_imbalance(term: np.ndarray, relation: str) -> int:
+    """An even ``K`` near ``N`` such that, with ``(N + K) / 2`` records of clipped term ``term`` and the rest
+    of ``-term`` (the sum ``K term``), a float32 sum moves by more than the priced bound to the neighbour's
+    ``(K - 2) term`` (replace-one: one record flipped) or ``(K - 1) term`` (add/remove: one of ``-term``
+    added): the float32 roundings of the two sums fall on opposite sides."""
+    ks = np.arange(N - N // 10, N + 1, 2)
+    other = ks - 2 if relation == "replace-one" else ks - 1
+    rounded = lambda k: (k[:, None] * term[None, :]).astype(np.float32).astype(np.float64)  # noqa: E731
+    gaps = np.linalg.norm(rounded(ks) - rounded(other), axis=1)
+    return int(ks[np.argmax(gaps > _bound(relation) * 1.01)])
+
+
+def _handed_to_the_noise(monkeypatch, build, inputs, targets) -> tuple[np.ndarray, float, float, list[str]]:
+    """One step of ``build(inputs, targets)``, its batch every record (Poisson's draw steered so: the
+    differing record is in it, the worst case): the clipped sum the release adds the noise to, as it is
+    handed over (before any rounding to the parameters' dtype), its scale, the noise std and the sum's
+    dtypes."""
+    seen = []
+    original = ops.noisy_update
+
+    def capture(v, **kwargs):
+        seen.append((np.concatenate([s.detach().double().numpy() for s in kwargs["sum"]]),
+                     float(kwargs["scale"]), float(kwargs["sigma"]), [str(s.dtype) for s in kwargs["sum"]]))
+        return original(v, **kwargs)
+
+    monkeypatch.setattr(ops, "noisy_update", capture)
+    monkeypatch.setattr(BatchSampler, "draw", lambda sampler: np.arange(sampler.n))
+    build(inputs, targets).step()
+    ((total, scale, sigma, dtypes),) = seen
+    return total, scale, sigma, dtypes
+
+
+@pytest.mark.parametrize("name, relation", [("dp-sgd", "replace-one"), ("dp-sgd", "add-remove"),
+                                            ("dp-gd", "replace-one")])
+def test_released_sum_of_a_million_float32_records_moves_by_at_most_the_priced_bound(monkeypatch, name,
+                                                                                      relation) -> None:
+    """The release adds noise to ``scale * sum``: a float32 DP-SGD (Poisson) and DP-GD step on 10^6
+    extreme records against the neighbour that flips one record (replace-one: 2C) or adds one (add/remove,
+    the dataset size stated public: C), the records' signs laid out so that float32 sums would round apart.
+    With the algorithms' sum buffers in float32 (the float64 sum rounded once into them) the handed sums
+    moved by 2.030C (replace-one) and 1.037C (add/remove); kept in float64 they move by the clipped terms'
+    difference, up to float64 roundings."""
+    term = _clipped_term()
+    imbalance = _adversarial_imbalance(term, relation)
+    x = (HUGE * _direction()).to(torch.float32).expand(N, D).contiguous()
+    y = torch.full((N,), HUGE * HUGE, dtype=torch.float32)
+    y[: (N + imbalance) // 2] = -HUGE * HUGE  # gradient +term; the rest -term
+    x2, y2 = _neighbour(x, y, relation)  # record 7 flipped to -term, or one -term record added
+
+    def build(inputs, targets):
+        runtime = RuntimeConfig(grad_mode="ghost", chunk_size=N // 4)
+        if name == "dp-gd":
+            return DPGD(_model(), _loss, inputs, targets, lr=0.1, clip=CLIP, steps=1, noise=1.0,
+                        runtime=runtime)
+        public = {"public_dataset_size": N} if relation == "add-remove" else {}
+        return DPSGD(_model(), _loss, inputs, targets, lr=0.1, clip=CLIP, steps=1, batch_size=1000,
+                     noise=1.0, privacy=PrivacyConfig(neighbouring=relation, **public), runtime=runtime)
+
+    total, scale, sigma, dtypes = _handed_to_the_noise(monkeypatch, build, x, y)
+    total2, scale2, sigma2, _ = _handed_to_the_noise(monkeypatch, build, x2, y2)
+    assert (scale, sigma) == (scale2, sigma2)  # public: the same on both sides
+    gap = float(np.linalg.norm(total - total2))
+    assert gap <= _bound(relation) * (1 + SLACK), f"{name}, {relation}: moved by {gap / CLIP:.6f} C"
+    assert dtypes == ["torch.float64"], dtypes  # kept in float64 until the noise is added
+    # The sum is the float64 sum of the clipped terms, and the layout has teeth: rounded to float32, the
+    # same two sums would move by more than the bound.
+    assert np.linalg.norm(total - imbalance * term) <= 1e-9 * N * CLIP
+    rounded = float(np.linalg.norm(total.astype(np.float32).astype(np.float64)
+                                   - total2.astype(np.float32).astype(np.float64)))
+    assert rounded > _bound(relation) * 1.01, rounded
+

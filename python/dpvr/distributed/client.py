@@ -15,6 +15,7 @@ from torch import nn
 
 from ..grads import trainable_parameters
 from ..optim.diff2 import ClippedGradients, Shard, clipped_mean
+from ..optim.gradients import accumulators
 from ..problems import LossFn
 from .group import AGGREGATOR, DistributedError, Group
 from .protocol import ABORT, CLOSE, FAILED, HEADER, OK, ROUND, RUN, STOP, short, unpack_run, wait
@@ -50,7 +51,7 @@ def serve(
     anchor_prev = torch.zeros_like(anchor)  # x_{r-2}
     local_prev = torch.zeros_like(anchor)  # x_{k-2,r-1} during local steps
     shaped = lambda v: [t.view_as(p) for t, p in zip(torch.split(v, numels), params)]  # noqa: E731
-    out = [torch.zeros_like(t) for t in flat]
+    out = accumulators(flat)  # the clipped mean, sent in float64: rounded only after the noise
     header = torch.zeros(HEADER, dtype=torch.float64, device=device)
     status = torch.zeros(2, dtype=torch.float64, device=device)
     where = "before the first round"
@@ -99,7 +100,7 @@ def serve(
             raise
         except Exception as err:
             group.fail(f"client {client} (rank {group.rank}) failed {where}: {type(err).__name__}: {err}")
-            status[0], reply = FAILED, torch.zeros(dim, dtype=dtype, device=device)
+            status[0], reply = FAILED, torch.zeros(dim, dtype=torch.float64, device=device)
         dist.send(status, dst=AGGREGATOR)
         dist.send(reply, dst=AGGREGATOR)
 

@@ -7,7 +7,8 @@
   then the point in the parameters' dtype: ``x_{r-1}`` for a round (followed by ``x_{r-2}`` when the
   client cannot have it: a difference round first after a resume), ``x_{k-1,r-1}`` for a local step, the
   released ``x_R`` with ``STOP`` at the end; ``ABORT`` ends the run after a failure;
-- up: a float64 ``[status, non-finite count]`` and the client's clipped mean (one d-vector); at the start
+- up: a float64 ``[status, non-finite count]`` and the client's clipped mean (one float64 d-vector,
+  whatever the parameters' dtype: a sum over records is rounded to it only after the noise); at the start
   of a run, a float64 ``[shard size, dimension]``.
 
 A client keeps the previous round's point as ``x_{r-2}`` and its previous local point as ``x_{k-2,r-1}``,

@@ -65,7 +65,9 @@ class RemoteClients:
         device = self.group.device
         return [
             torch.zeros(2, dtype=torch.float64, device=device),
-            torch.zeros(self.dim, dtype=self.dtype, device=device),
+            # a client's clipped mean, float64 whatever the model's dtype (a sum over records, rounded to
+            # the parameters' dtype only after the noise)
+            torch.zeros(self.dim, dtype=torch.float64, device=device),
         ]
 
     def _point(self) -> torch.Tensor:

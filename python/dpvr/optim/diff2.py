@@ -16,7 +16,7 @@ from ..privacy import events
 from .base import LossFn, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, step_size
-from .gradients import ClippedGradients, check_loss
+from .gradients import ClippedGradients, accumulators, check_loss
 from .records import Records, as_records, records_fingerprint
 from .sampling import BatchSampler
 
@@ -116,7 +116,7 @@ class InProcessClients:
             raise ValueError(f"gradients: one per client ({len(self.shards)}), got {len(each)}")
         self.gradients = each
         self.sizes = [len(records) for records in self.shards]
-        self._out = [torch.zeros_like(t) for t in like]
+        self._out = accumulators(like)  # a client's clipped mean, float64 until the server's noise
 
     def round(
         self, r: int, restart: bool, radius: float, previous: Sequence[torch.Tensor]
@@ -320,7 +320,7 @@ class DIFF2(PrivateAlgorithm):
         # Difference radii are capped (default: twice the restart radius), so noise cannot feed on itself.
         cap = 2 * self.clip["restart"] if max_radius is None else float(max_radius)
         self.radius = Radius(self.clip["restart"], per_move=(self.clip["difference"],), cap=cap)
-        self._total = [torch.zeros_like(f) for f in self.flat]
+        self._total = accumulators(self.flat)  # the clients' average, float64 until the noise is added
         if routine == "bvr-l-sgd":
             # A client's shard may be larger than the plan's n (the smallest): it then draws at a lower rate.
             self.samplers = [

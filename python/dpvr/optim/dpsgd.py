@@ -16,7 +16,7 @@ from . import prox as proximal
 from .base import LossFn, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
-from .gradients import ClippedGradients, check_loss
+from .gradients import ClippedGradients, accumulators, check_loss
 from .guard import BudgetExhaustedError
 from .ledger import Release
 from .records import Records, as_records
@@ -190,7 +190,9 @@ class DPSGD(PrivateAlgorithm):
         self.gradients = ClippedGradients(
             model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
         )
-        self._sum = [torch.zeros_like(f) for f in self.flat]
+        # The clipped sum stays in float64 until the release adds the noise (and rounds once): a float32 sum
+        # of many records rounds at its own magnitude, which one record can move by more than 2C.
+        self._sum = accumulators(self.flat)
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: the noisy clipped mean
 
@@ -199,10 +201,11 @@ class DPSGD(PrivateAlgorithm):
         inputs, targets = self.records.draw(self.sampler)
         for s in self._sum:
             s.zero_()
-        norms = None if self.clipping else torch.empty(len(inputs), dtype=self._sum[0].dtype)
+        # Per-record norms and losses in the parameters' dtype (the sum alone is float64).
+        norms = None if self.clipping else self.flat[0].new_empty(len(inputs))
         # The batch's mean loss, from the pass that clipped it (not under the last-iterate bound: it is read
         # at an intermediate iterate).
-        losses = None if self.last_iterate_only else self._sum[0].new_empty(len(inputs))
+        losses = None if self.last_iterate_only else self.flat[0].new_empty(len(inputs))
         dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms, losses=losses)
         if norms is not None and not bool((norms <= self.clip).all()):
             raise RuntimeError(

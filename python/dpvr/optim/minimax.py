@@ -30,7 +30,7 @@ from ..problems.minimax import YSensitivity
 from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
-from .gradients import ClippedGradients, check_loss
+from .gradients import ClippedGradients, accumulators, check_loss
 from .records import Batch, Records, as_records
 from .sampling import BatchSampler
 
@@ -259,8 +259,10 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             chunk_size=runtime.chunk_size,
             nonfinite=self.nonfinite,
         )
-        self._sum = [torch.zeros_like(f) for f in self.flat]
-        self._y_sum, self._y_v, self._y_scratch = (torch.zeros_like(self.y) for _ in range(3))
+        # Sums over records stay in float64 until their release adds the noise (and rounds once).
+        self._sum = accumulators(self.flat)
+        (self._y_sum,) = accumulators([self.y])
+        self._y_v, self._y_scratch = torch.zeros_like(self.y), torch.zeros_like(self.y)
 
     def _noise_units(self) -> dict[str, float]:
         """The ``units`` the noise was calibrated with (``shares="auto"``)."""

@@ -36,7 +36,7 @@ from ..problems import (
 from .base import PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig, stream_clips
 from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, release
-from .gradients import ClippedGradients, check_loss
+from .gradients import ClippedGradients, accumulators, check_loss
 from .records import Batch, Records, as_records
 from .sampling import BatchSampler
 
@@ -88,7 +88,8 @@ class _Spider(PrivateAlgorithm):
         self.gradients = ClippedGradients(
             model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
         )
-        self._sum = [torch.zeros_like(f) for f in self.flat]
+        # Sums over records stay in float64 until their release adds the noise (and rounds once).
+        self._sum = accumulators(self.flat)
         self.x = Iterate(self.params)  # x_t and x_{t-1}
 
     def _draw(self, stream: str) -> Batch:
@@ -131,7 +132,8 @@ class _Spider(PrivateAlgorithm):
         out.zero_()
         if radius == 0:
             return 0
-        return self.gradients.rows(values.reshape(-1, 1).to(out.dtype), radius, [out])
+        # The per-record values in the parameters' dtype (clipped so), their sum into float64 ``out``.
+        return self.gradients.rows(values.reshape(-1, 1).to(self.params[0].dtype), radius, [out])
 
     def _clipped(self, stream: str, total: Sequence[Tensor], radius: float) -> ClippedSum:
         """``total``, a sum over ``stream``'s batch of terms clipped into a ball of ``radius``."""
@@ -293,7 +295,7 @@ class DoubleSpider(_Spider):
         self._eta_prev = self.eta.clone()  # eta_{t-1}
         self.g = DifferenceEstimator([self.eta])  # estimates grad_eta L
         self.v = DifferenceEstimator(self.flat)  # estimates grad_x L
-        self._g_sum = torch.zeros(1, dtype=dtype)
+        self._g_sum = torch.zeros(1, dtype=torch.float64)  # a sum over records: float64 until the noise
 
     def _step(self) -> dict[str, float]:
         t = self.steps_done
@@ -486,7 +488,8 @@ class RecursiveSpider(_Spider):
         self.s = torch.tensor([float(s0)], dtype=dtype)
         self.v = DifferenceEstimator(self.flat)  # estimates grad_x g
         self.u = DifferenceEstimator([self.lam])  # estimates grad_lam g
-        self._u_sum, self._s_term = torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)
+        # Sums over records: float64 until the noise is added.
+        self._u_sum, self._s_term = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
 
     def _step(self) -> dict[str, float]:
         t = self.steps_done

@@ -465,8 +465,12 @@ class AllReducedGradients:
 
     def _reduce(self, out: Sequence[torch.Tensor], local: Any) -> int:
         """``local(scratch)`` (this process's sum into zeroed ``scratch``, returning its non-finite count),
-        all-reduced and added to ``out``; the whole batch's non-finite count."""
-        scratch = [torch.zeros_like(o) for o in out]
+        all-reduced and added to ``out``; the whole batch's non-finite count.
+
+        ``scratch`` and the all-reduce are float64 whatever ``out``'s dtype: a float32 all-reduce would round
+        the batch's sum at its own magnitude (one record could then move it by more than its clip radius);
+        ``out`` gets it rounded once (float64 ``out``, as the algorithms keep, not at all)."""
+        scratch = [torch.zeros_like(o, dtype=torch.float64) for o in out]
         failure: FloatingPointError | None = None
         try:
             dropped = local(scratch)
