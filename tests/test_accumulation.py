@@ -14,6 +14,7 @@ released value is the sum itself.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -250,3 +251,81 @@ def test_released_sum_of_a_million_float32_records_moves_by_at_most_the_priced_b
                                    - total2.astype(np.float32).astype(np.float64)))
     assert rounded > _bound(relation) * 1.01, rounded
 
+
+# ---- ghost clipping's rounding bound, for sums formed in float64 ------------------------------------------
+def _exact_error_sq(written: torch.Tensor, exact: list[list[Fraction]]) -> Fraction:
+    return sum((Fraction(float(w)) - e) ** 2 for row_w, row_e in zip(written.tolist(), exact)
+               for w, e in zip(row_w, row_e))
+
+
+def _norm_up(exact: list[list[Fraction]]) -> Fraction:
+    """An upper bound on the Frobenius norm of exact entries (a rational above the square root)."""
+    sq = sum(e * e for row in exact for e in row)
+    root = Fraction(math.sqrt(float(sq)))
+    return root * (1 + Fraction(1, 2**40)) if root * root >= sq else root * (1 + Fraction(1, 2**30))
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_write_error_of_a_float64_sum_prices_its_roundings_then_one_rounding_to_float32(precision) -> None:
+    """An Outer part whose 40 steps nearly cancel (``R_i`` far above ``||u_i||``), summed in float64 from
+    float32 factors and rounded once to float32, as :meth:`GhostClipper._clip` does: the written entries are
+    within ``f (E + u ||u||)`` of the exact ones with ``E`` the float64-priced bound, which is ~2^-29 of the
+    float32 one (and is not raised by a TF32 matmul setting, which float64 matmuls ignore), so the clip
+    radius is no longer shrunk for roundings the sum does not make."""
+    from dpvr.grads.ghost.norms import write_error
+    from dpvr.grads.ghost.rules import Outer
+
+    torch.manual_seed(2)
+    m = torch.randn(1, 40, 8)
+    m = m[:, :1] + 1e-5 * m
+    n = torch.randn(1, 40, 5)
+    n = n - n.mean(dim=1, keepdim=True)
+    part = Outer([(m, n)])
+    f = torch.tensor([0.37])
+    fq = Fraction(float(f[0]))
+    exact = [[sum(fq * Fraction(float(n[0, t, a])) * Fraction(float(m[0, t, b])) for t in range(40))
+              for b in range(8)] for a in range(5)]
+    written = part.total(f.double(), torch.Size([5, 8])).to(torch.float32)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        wide = write_error([(0, part)], 1, torch.float32, torch.device("cpu"), accumulate=torch.float64)
+        narrow = write_error([(0, part)], 1, torch.float32, torch.device("cpu"))
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    allowed = Fraction(float(wide[0])) * fq + Fraction(2**-24) * _norm_up(exact)
+    assert _exact_error_sq(written, exact) <= allowed**2
+    assert float(wide[0]) <= 2.0**-28 * float(narrow[0])
+    with pytest.raises(ValueError, match="accumulate"):
+        write_error([(0, part)], 1, torch.float64, torch.device("cpu"), accumulate=torch.float32)
+
+
+def test_write_error_of_a_float64_tied_sum() -> None:
+    """A Tied part whose table rows nearly cancel the map at their keys, summed in float64 and rounded once
+    to float32: within ``f (E + u ||u||)`` of ``f (r + h)``, ``E`` priced for the float64 sum."""
+    from dpvr.grads.ghost.norms import write_error
+    from dpvr.grads.ghost.rules import Outer, Rows, Tied
+
+    vocab, width = 7, 3
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        keys = torch.randint(0, vocab, (1, 5), generator=g)
+        m = torch.randn(1, 4, width, generator=g)
+        n = torch.randn(1, 4, vocab, generator=g)
+        h = torch.einsum("bsv,bsd->bvd", n.double(), m.double())
+        rows = (-h.gather(1, keys.unsqueeze(-1).expand(-1, -1, width))
+                * (1 + 1e-5 * torch.randn(1, 5, width, generator=g, dtype=torch.float64))).to(torch.float32)
+        part = Tied(Rows([(keys, rows)]).coalesced(), Outer([(m, n)]))
+        f = torch.tensor([0.37])
+        fq = Fraction(float(f[0]))
+        ((ck, cr),) = part.rows.pieces
+        table = [[Fraction(0)] * width for _ in range(vocab)]
+        for k in range(ck.shape[1]):
+            for j in range(width):
+                table[int(ck[0, k])][j] += Fraction(float(cr[0, k, j]))
+        exact = [[fq * (table[v][j] + sum(Fraction(float(n[0, s, v])) * Fraction(float(m[0, s, j]))
+                                          for s in range(4))) for j in range(width)] for v in range(vocab)]
+        written = part.total(f.double(), torch.Size([vocab, width])).to(torch.float32)
+        bound = write_error([(0, part)], 1, torch.float32, torch.device("cpu"), accumulate=torch.float64)
+        allowed = Fraction(float(bound[0])) * fq + Fraction(2**-24) * _norm_up(exact)
+        assert _exact_error_sq(written, exact) <= allowed**2, seed

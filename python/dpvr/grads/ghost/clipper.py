@@ -639,7 +639,8 @@ class GhostClipper:
         2. ``E_i`` (:func:`~dpvr.grads.ghost.norms.write_error`) bounds what an Outer part's matmul (a sum of
            ``K`` rounded terms per entry, which may cancel), a reduced-precision matmul and a Tied part's
            addition of its rows into its matmul add beyond one rounding per entry:
-           ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``. The factor is formed from
+           ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``, priced for the sums' float64 accumulation
+           (below) and their rounding to T. The factor is formed from
            ``N_i >= n_i + E_i`` by the kernels' own rule and margin (``ops.clip_factors`` /
            ``norms.clip_factors``): ``f N_i <= C (1 - margin)`` in float64 with ``margin >= 2 u``, and the
            factor stored in T is ``f' <= f (1 + u)``.
@@ -669,7 +670,8 @@ class GhostClipper:
                                    if isinstance(p, (Dense, Rows))], form=self.norm_form,
                             outer_bounds=bounds if outers else None)
             error = torch_norms.write_error(parts, batch, dtype, self._device,
-                                            known={id(p): bounds[j] for j, p in enumerate(outers)})
+                                            known={id(p): bounds[j] for j, p in enumerate(outers)},
+                                            accumulate=torch.float64)
             norms_sq = torch_norms.with_cross_terms(norms_sq, [p for _, p in parts])
             factors = torch.empty(batch, dtype=dtype)
             norms = torch.empty(batch, dtype=dtype)
@@ -677,7 +679,7 @@ class GhostClipper:
                                      columns=self._dim, weights=weights, norms=norms,
                                      nonfinite=self.nonfinite)
         else:
-            error = torch_norms.write_error(parts, batch, dtype, self._device)
+            error = torch_norms.write_error(parts, batch, dtype, self._device, accumulate=torch.float64)
             norms_sq = torch_norms.ghost_norms([p for _, p in parts], batch, self._device, self.norm_form)
             factors, norms = torch_norms.clip_factors(torch_norms.with_write_error(norms_sq, error), clip,
                                                       dtype, columns=self._dim, weights=weights,

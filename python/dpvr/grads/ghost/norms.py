@@ -206,7 +206,8 @@ def reduced_precision_unit(conv: bool, device: torch.device) -> float:
 
 
 def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: torch.dtype,
-                device: torch.device, known: Mapping[int, Tensor] | None = None) -> Tensor | None:
+                device: torch.device, known: Mapping[int, Tensor] | None = None, *,
+                accumulate: torch.dtype | None = None) -> Tensor | None:
     """Float64 ``(B,)`` bounds ``E_i`` on the rounding of what the clipped sums write for one sample, beyond
     one rounding per entry: ``||w_i - f_i u_i|| <= |f_i| (E_i + u ||u_i||)``, where ``w_i`` is what
     :meth:`Outer.total`, :meth:`Rows.total`, :meth:`Dense.total` and :meth:`Tied.total` write for sample i
@@ -231,24 +232,51 @@ def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: tor
     and the final addition adds at most ``u ||o + fl(f r)|| <= u f (||u_i|| + E_h + u ||r||)``, so
     ``E_i = (1 + u) (E_h + u ||r_i||)``: relative to ``||r_i||``, which may be far above ``||u_i||`` when
     the table's and the map's terms cancel.
+
+    ``accumulate``: the dtype the totals are formed in (default ``dtype``). ``torch.float64`` beside float32
+    ``dtype`` (the factors and the parts' entries float32, widened exactly; :meth:`GhostClipper._clip` sums
+    so) prices the float64 sum, then its one rounding to ``dtype``. The argument above holds with the
+    float64 unit ``u64`` for every rounding inside the sum, and without reduced precision (TF32 and bfloat16
+    matmul and cuDNN settings, and autocast, apply to float32 inputs, never to float64). Per entry ``x`` (the
+    exact ``f_i u_i`` entry) and ``w`` (its float64 value), the stored ``fl(w)`` is within ``u |x| + (1 + u)
+    |w - x|`` of ``x``: the ``u |x|`` are the contract's one rounding per entry, so each part's ``E`` is its
+    float64 one times ``1 + u``. A Rows or Dense entry ``f r`` is a product of two float32 numbers, exact in
+    float64 (``E = 0``); an Outer part has ``E = gamma R_i`` with ``k u64``; a Tied part's ``fl(f r)`` is
+    exact and its final addition rounds by ``u64 |o + f r| <= u64 (|x| + |o - f h|)``: with ``||x|| <=
+    f (||r_i|| + R_h)`` (``||h|| <= R_h``) and ``E_h >= 2 u64 R_h`` (the map has a step), ``||w - x|| <=
+    f ((1 + u64) E_h + u64 ||r_i|| + E_h / 2)``, so ``E = (1 + u) (2 E_h + u64 ||r_i||)``. The per-record
+    rounding of the float32 factors (``f' <= f (1 + u)``, :meth:`GhostClipper._clip`'s step 2) is the
+    caller's and stays priced there.
     """
     unit = 2.0 ** -24 if dtype == torch.float32 else U64
+    accumulate = dtype if accumulate is None else accumulate
+    wide = accumulate == torch.float64 and dtype == torch.float32
+    if not wide and accumulate != dtype:
+        raise ValueError(f"accumulate: sums of {dtype} factors are priced in float64 or {dtype}, "
+                         f"not {accumulate}")
+    inner = U64 if wide else unit  # the unit roundoff of the additions and products inside the sums
     known = known or {}
     error: Tensor | None = None
     for _, part in parts:
         if isinstance(part, Tied):
-            e = _part_error(part.outer, batch, dtype, device, unit, known.get(id(part.outer)))
+            e = _part_error(part.outer, batch, accumulate, device, inner, known.get(id(part.outer)))
             rows = part.rows.flat()
             r = (torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64)
                  * (1.0 + 2.0 * (rows.shape[-1] + 8) * U64))  # rounded up
-            e = unit * r if e is None else e + unit * r
-            e = e * (1.0 + unit + 16.0 * U64)  # (1 + u), and this line's float64 roundings
+            if wide:  # 2 E_h + u64 ||r|| (see above; E_h >= 2 u64 R_h as the map has a step)
+                e = U64 * r if e is None else 2.0 * e + U64 * r
+                e = e * (1.0 + 16.0 * U64)  # this line's float64 roundings
+            else:
+                e = unit * r if e is None else e + unit * r
+                e = e * (1.0 + unit + 16.0 * U64)  # (1 + u), and this line's float64 roundings
         else:
-            e = _part_error(part, batch, dtype, device, unit, known.get(id(part)))
+            e = _part_error(part, batch, accumulate, device, inner, known.get(id(part)))
         if e is not None:
             error = e if error is None else error + e
-    # ... and the additions over the parts.
-    return None if error is None else error * (1.0 + 2.0 * (len(parts) + 8) * U64)
+    if error is None:
+        return None
+    # ... and the additions over the parts; a float64 sum's one rounding to dtype: (1 + u).
+    return error * ((1.0 + 2.0 * (len(parts) + 8) * U64) * (1.0 + unit + 4.0 * U64 if wide else 1.0))
 
 
 def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device,
