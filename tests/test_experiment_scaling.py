@@ -75,13 +75,17 @@ def test_diff2_restart_is_a_tenth_of_the_rounds_or_the_theorems():
     radii (1 at n = 64k with R = 50: DIFF2 is DP-GD there), and a different protocol key."""
     from torch import nn
 
+    from dpvr.trainer.defaults import noise_constant
+
     model = nn.Sequential(nn.Linear(40, 16), nn.Softplus(), nn.Linear(16, 10))  # d = 826
     radii = {"restart": 1.0, "difference": 2.0}
     fraction = scaling.Protocol((4000,), 5, 50, 64)
     theorem = scaling.Protocol((4000,), 5, 400, 64, "theorem")
     assert scaling.diff2_restart(fraction, radii, 4000, model, 1.0) == 5
-    tau = (math.sqrt(826) / (2.0 * 4000)) ** (2 / 3)
-    assert scaling.diff2_restart(theorem, radii, 4000, model, 1.0) == round(tau * 400) == 9
+    # the proof's tau with the accountant's constant c (dpvr.trainer.defaults), at the experiment's delta
+    c = noise_constant(1.0, scaling.DELTA)
+    tau = (math.sqrt(2 * c) * math.sqrt(826) / (2.0 * 4000)) ** (2 / 3)
+    assert scaling.diff2_restart(theorem, radii, 4000, model, 1.0) == round(tau * 400) == 49
     short = scaling.Protocol((64000,), 5, 50, 64, "theorem")
     assert scaling.diff2_restart(short, radii, 64000, model, 1.0) == 1
     key = fraction.key("diff2", 1.0, 4000)
