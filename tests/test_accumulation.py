@@ -14,11 +14,15 @@ released value is the sum itself.
 from __future__ import annotations
 
 import math
+import os
+import socket
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from dpvr import ops
@@ -26,6 +30,7 @@ from dpvr.optim import DPGD, DPSGD, PrivacyConfig, RuntimeConfig
 from dpvr.optim import gradients as engine
 from dpvr.optim.gradients import ClippedGradients, accumulators
 from dpvr.optim.sampling import BatchSampler
+from dpvr.trainer.parallel import AllReducedGradients
 
 N = 10**6  # records
 D = 4  # features: a tiny model keeps 10^6 records fast
@@ -250,6 +255,64 @@ def test_released_sum_of_a_million_float32_records_moves_by_at_most_the_priced_b
     rounded = float(np.linalg.norm(total.astype(np.float32).astype(np.float64)
                                    - total2.astype(np.float32).astype(np.float64)))
     assert rounded > _bound(relation) * 1.01, rounded
+
+
+
+# ---- the data-parallel all-reduce -------------------------------------------------------------------------
+SHARED = 10**4  # records split over two processes
+
+
+def _double_rounding_layout(term: np.ndarray) -> int:
+    """A count ``p`` of records of clipped term ``term`` (the other ``SHARED - p`` of ``-term``, the shares
+    interleaved as a data-parallel run's ``rank::2``) whose float32 share sums, added in float32, differ from
+    the float64 batch sum rounded once to float32."""
+    f32 = lambda v: np.asarray(v, dtype=np.float64).astype(np.float32)  # noqa: E731
+    for p in range(SHARED // 2, SHARED):
+        net = [sum(1 if i < p else -1 for i in range(r, SHARED, 2)) for r in range(2)]
+        shares = [k * term for k in net]
+        if np.any(f32(f32(shares[0]) + f32(shares[1])) != f32(shares[0] + shares[1])):
+            return p
+    raise AssertionError("no layout rounds apart")
+
+
+def _all_reduced_sums(rank: int, world: int, port: int, out: str, positive: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = (HUGE * _direction()).to(torch.float32).expand(SHARED, D).contiguous()
+        y = torch.full((SHARED,), HUGE * HUGE, dtype=torch.float32)
+        y[:positive] = -HUGE * HUGE
+        engine = AllReducedGradients(ClippedGradients(_model(), _loss, mode="ghost"), None)
+        narrow = [torch.zeros(D, dtype=torch.float32)]
+        wide = accumulators(narrow)
+        for sums in (narrow, wide):
+            engine.sum(x[rank::world], y[rank::world], CLIP, sums)
+        torch.save({"float32": narrow[0], "float64": wide[0]}, f"{out}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
+def test_the_all_reduce_sums_the_processes_shares_in_float64(tmp_path) -> None:
+    """Two gloo processes, each clipping its share of the batch: the all-reduced sum is formed in float64
+    (equal on both ranks, the float64 sum of the terms), and a float32 ``out`` gets it rounded once. Before,
+    the scratch buffers took ``out``'s dtype: each share was rounded to float32 and the shares added in
+    float32, which for this layout differs from the batch's sum rounded once."""
+    term = _clipped_term()
+    positive = _double_rounding_layout(term)
+    out = str(tmp_path / "rank")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_all_reduced_sums, args=(2, port, out, positive), nprocs=2)
+    ranks = [torch.load(f"{out}-{r}.pt") for r in range(2)]
+    assert torch.equal(ranks[0]["float64"], ranks[1]["float64"])
+    assert ranks[0]["float64"].dtype == torch.float64
+    net = 2 * positive - SHARED
+    assert np.linalg.norm(ranks[0]["float64"].numpy() - net * term) <= 1e-12 * SHARED * CLIP
+    for r in ranks:
+        assert torch.equal(r["float32"], ranks[0]["float64"].to(torch.float32))  # one rounding
 
 
 # ---- ghost clipping's rounding bound, for sums formed in float64 ------------------------------------------
