@@ -60,9 +60,10 @@ def _run(script: str, tmp_path: pathlib.Path, name: str) -> subprocess.Completed
                           cwd=tmp_path)  # fmt: skip
 
 
-def test_the_seven_tutorials_exist_and_have_code() -> None:
+def test_the_nine_tutorials_exist_and_have_code() -> None:
     names = {page.stem for page in TUTORIALS}
-    assert names == {"dp-sgd", "opacus", "choosing", "diff2", "tuning", "audit", "account"}, names
+    expected = {"dp-sgd", "opacus", "choosing", "minimax", "dro", "diff2", "tuning", "audit", "account"}
+    assert names == expected, names
     for page in TUTORIALS:
         assert python_blocks(page), f"{page.name} has no ```python block"
 
@@ -105,7 +106,7 @@ def test_every_public_name_has_a_reference_entry() -> None:
 
 def test_the_reference_covers_the_main_modules() -> None:
     directives = _directives()
-    for module in ("optim", "privacy", "trainer", "audit", "tuning", "registry"):
+    for module in ("optim", "privacy", "trainer", "audit", "tuning", "registry", "problems", "objectives"):
         assert f"dpvr.{module}" in directives, module
 
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import registry
 from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
+from ..optim.guard import EveryStream
 from ..optim.sampling import steps_per_epoch
 from ..privacy import PrivacyReport
 from ..problems import MinimaxProblem
@@ -63,8 +67,9 @@ def make_private(
     data: Dataset | DataLoader | Sequence[Dataset | DataLoader],
     *,
     algorithm: str,
-    epsilon: float,
-    delta: float = 1e-5,
+    epsilon: float | None = None,
+    delta: float | None = None,
+    noise_multiplier: float | Mapping[str, float] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     batch_size: int | None = None,
     epochs: float | None = None,
@@ -72,6 +77,7 @@ def make_private(
     accountant: str | None = None,
     public_dataset_size: int | None = None,
     runtime: RuntimeConfig | None = None,
+    privacy: PrivacyConfig | None = None,
     process_group: Any = None,
     **settings: Any,
 ) -> PrivateTrainer:
@@ -89,8 +95,15 @@ def make_private(
             federated algorithm (``"diff2"``) a list of them gives one client each.
         algorithm: a name of :mod:`dpvr.registry` whose entry has a ``layout`` (every built-in one but
             ``"phased"``); the entry says which class runs it and how the run is laid out.
-        epsilon: the privacy budget of the whole run; the noise is calibrated to spend it.
+        epsilon: the privacy budget of the whole run; without ``noise_multiplier`` the noise is calibrated to
+            spend it; with one it is the budget every release is admitted against.
         delta: the target ``delta``; default ``1e-5``.
+        noise_multiplier: the noise given instead of calibrated (Opacus' ``noise_multiplier``), in the
+            accountant's convention (noise std over the clip radius): a number for every stream of the
+            algorithm, or ``{stream: z}`` keyed by its plan's stream names (``trainer.algorithm.noise``).
+            :meth:`PrivateTrainer.privacy_spent` then reports the epsilon spent; with ``epsilon`` also
+            given, a release that would exceed it is still refused. ``0`` is refused: the clipped sum would
+            be released exactly, which is not differentially private at any epsilon.
         optimizer: any ``torch.optim.Optimizer`` over ``module``'s parameters; it steps on the released noisy
             gradient estimate (written into ``p.grad``). Momentum, Adam, weight decay and learning-rate
             schedules are post-processing of what was released: the guarantee is unchanged. Without one,
@@ -117,6 +130,9 @@ def make_private(
             ``privacy_spent().assumptions`` says which.
         runtime: the :class:`~dpvr.optim.RuntimeConfig` (gradient mode, chunk size, noise source, seeds);
             default ``RuntimeConfig()``.
+        privacy: the whole :class:`~dpvr.optim.PrivacyConfig` instead of ``epsilon``/``delta`` (what
+            :func:`dpvr.tuning.tune` hands a build: ``make_private(..., privacy=privacy)``); ``accountant``
+            and ``public_dataset_size`` may still be given where it leaves them ``None``.
         process_group: a ``torch.distributed`` group to train data-parallel over (default: the initialised
             default group when it has more than one process): one logical run, every process drawing the
             same batches and noise, loading and clipping its share of each batch, the clipped sums
@@ -125,15 +141,16 @@ def make_private(
             order) and all refuse it, naming what differs and where, unless they agree
             (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``, ``dp-sgda``,
             ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
-        **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ``noise``, ...; see
-            its class in :mod:`dpvr.optim`), except ``noise``: the noise is always calibrated to
-            ``epsilon``. The schedule settings left out (DIFF2's and PrivateDiff's ``restart``,
+        **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ...; see its class
+            in :mod:`dpvr.optim`), except ``noise`` (give ``noise_multiplier``). The schedule settings left
+            out (DIFF2's and PrivateDiff's ``restart``,
             PrivateDiff's ``y_steps``, the SPIDERs' ``restart`` and ``batch_sizes``) take the values of the
             papers' theorems at this run's public sizes, budget and clip radii
             (:mod:`dpvr.trainer.defaults`; listed with their reasons in ``trainer.derived``).
 
-    The noise is calibrated so that the whole planned run spends ``epsilon``; a release that would exceed it
-    raises :class:`~dpvr.optim.BudgetExhaustedError` before it happens.
+    The noise is calibrated so that the whole planned run spends ``epsilon`` (unless ``noise_multiplier`` is
+    given); a release that would exceed ``epsilon`` raises :class:`~dpvr.optim.BudgetExhaustedError` before
+    it happens.
 
     Which algorithm (measured, ``dpvr experiment scaling``: MNIST-1D, d of 700-800, n from 4k to 256k,
     epsilon 1 and 4, five paired seeds): DIFF2-GD's gradient norm is 7-13 % below DP-GD's from n = 64k
@@ -154,7 +171,8 @@ def make_private(
         and nothing is released until it is stepped.
 
     Raises:
-        ValueError: ``algorithm`` is not a name ``make_private`` runs, ``noise`` is given, ``module`` has no
+        ValueError: ``algorithm`` is not a name ``make_private`` runs, ``noise`` is given, neither
+            ``epsilon`` nor ``noise_multiplier`` is, a noise multiplier is not > 0, ``module`` has no
             trainable parameters, the data or settings do not fit the algorithm (every problem listed at
             once), or the model fails a record-independence check (the module named, with the fix).
         TypeError: ``module`` is not an ``nn.Module``, or ``criterion`` is not what ``algorithm`` takes (a
@@ -171,11 +189,18 @@ def make_private(
         raise ValueError(f"algorithm: must be one of {sorted(registry.front_door())}, got {algorithm!r}")
     if "noise" in settings:
         raise ValueError(
-            "noise: make_private calibrates the noise to epsilon; to give noise multipliers yourself, build "
-            "the algorithm from dpvr.optim (where epsilon is then only a budget guard)"
+            "noise: give the noise as noise_multiplier= (a number for every stream, or {stream: z}); "
+            "without it make_private calibrates the noise to epsilon"
         )
-    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, accountant=accountant,
-                            public_dataset_size=public_dataset_size)
+    privacy = _privacy(privacy, epsilon=epsilon, delta=delta, accountant=accountant,
+                       public_dataset_size=public_dataset_size)
+    epsilon, delta, public_dataset_size = privacy.epsilon, privacy.delta, privacy.public_dataset_size
+    noise = _noise(noise_multiplier)
+    if epsilon is None and noise is None:
+        raise ValueError(
+            "give epsilon= (the noise is calibrated to spend it) or noise_multiplier= (the accountant then "
+            "reports the epsilon spent), or both (epsilon is then a budget no release may exceed)"
+        )
     layout = spec.layout
     cls, sampled = spec.algorithm_class(), layout == "sampled"
     settings = {**spec.algorithm_options, **settings}
@@ -190,9 +215,15 @@ def make_private(
         parallel.check(algorithm, module, settings)
     minimax = spec.problem == "minimax"
     if minimax != isinstance(criterion, MinimaxProblem):
+        where = (
+            " (dpvr.problems.MinimaxProblem: build one from dpvr.objectives, e.g. "
+            "AUCMargin(positive_ratio=p) with an AUCModel, or ClassDRO(nn.CrossEntropyLoss(), classes=K); "
+            "or subclass MinimaxProblem)" if minimax else
+            " (e.g. nn.CrossEntropyLoss(); a MinimaxProblem is for 'dp-sgda' and 'private-diff')"
+        )
         raise TypeError(
             f"criterion: {algorithm!r} takes a {'MinimaxProblem' if minimax else 'loss callable'}, "
-            f"got {type(criterion).__name__}"
+            f"got {type(criterion).__name__}{where}"
         )
     shards = data if isinstance(data, (list, tuple)) else [data]
     if len(shards) > 1 and not spec.federated:
@@ -206,7 +237,7 @@ def make_private(
     if batch_size is None and sampled and isinstance(shards[0], DataLoader):
         batch_size = shards[0].batch_size  # the (expected) batch size the user already chose
     # Nothing of the data's size is read or held here: each step loads the records its sampler draws.
-    records = [dataset_records(d, dtype, device) for d in shards]
+    records = [dataset_records(d, dtype, device, batched=sampled) for d in shards]
     # The size every release's shape reads: the stated public one (add/remove), else the data's own, which
     # the algorithm then accounts under replace-one, where it is public by definition.
     n = public_dataset_size if public_dataset_size is not None else min(len(r) for r in records)
@@ -234,6 +265,13 @@ def make_private(
     if steps is None:
         steps = max(1, round(epochs * per_epoch))
     # The schedule settings not given, from the papers' theorems and public quantities only.
+    if epsilon is None:  # the theorems' schedules are functions of the budget
+        needed = [name for name in derivable(algorithm) if settings.get(name) is None]
+        if needed:
+            raise ValueError(
+                f"make_private({algorithm!r}): {', '.join(needed)}: not given, and the theorems' defaults "
+                "are functions of the budget epsilon; give them, or give epsilon= beside noise_multiplier="
+            )
     dimension = sum(p.numel() for p in params)
     derived = derive(algorithm, settings, Public(n=n, clients=len(records), dimension=dimension,
                                                  epsilon=epsilon, delta=delta, steps=steps))
@@ -244,6 +282,8 @@ def make_private(
         "runtime": runtime,
         **settings,
     }
+    if noise is not None:
+        arguments["noise"] = noise
     # One client per dataset given to a federated algorithm.
     if parallel is not None:  # each process loads its share of every batch drawn
         records = [parallel.records(r) for r in records]
@@ -251,6 +291,54 @@ def make_private(
     if parallel is not None:  # ... and the clipped sums are the whole batch's
         private.gradients = parallel.gradients(private.gradients)
     return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel, derived=derived)
+
+
+def _privacy(privacy: PrivacyConfig | None, *, epsilon: float | None, delta: float | None,
+             accountant: str | None, public_dataset_size: int | None) -> PrivacyConfig:
+    """The run's :class:`~dpvr.optim.PrivacyConfig`: ``privacy`` with ``accountant`` and
+    ``public_dataset_size`` filled in where it leaves them ``None``, or one made of the separate arguments."""
+    if privacy is None:
+        return PrivacyConfig(epsilon=epsilon, delta=1e-5 if delta is None else delta, accountant=accountant,
+                             public_dataset_size=public_dataset_size)
+    if not isinstance(privacy, PrivacyConfig):
+        raise TypeError(f"privacy: expected a dpvr.optim.PrivacyConfig, got {type(privacy).__name__}")
+    given = [name for name, value in (("epsilon", epsilon), ("delta", delta)) if value is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)}: given twice; privacy= holds them (privacy.epsilon, "
+                         "privacy.delta): leave these out, or drop privacy=")
+    fill = {}
+    for name, value in (("accountant", accountant), ("public_dataset_size", public_dataset_size)):
+        held = getattr(privacy, name)
+        if value is not None and held is not None and value != held:
+            raise ValueError(f"{name}: {value!r} differs from privacy.{name}={held!r}; give it once")
+        if value is not None:
+            fill[name] = value
+    return dataclasses.replace(privacy, **fill) if fill else privacy
+
+
+def _noise(noise_multiplier: float | Mapping[str, float] | None) -> float | dict[str, float] | None:
+    """``noise_multiplier`` checked, as the algorithm's ``noise=``: ``EveryStream(z)`` for a number (every
+    stream of the plan), ``{stream: z}`` for a mapping."""
+    if noise_multiplier is None:
+        return None
+
+    def checked(name: str, z: Any) -> float:
+        if isinstance(z, bool) or not isinstance(z, numbers.Real):
+            raise TypeError(f"{name}: a noise multiplier is a number, got {type(z).__name__} {z!r}")
+        if z == 0:
+            raise ValueError(
+                f"{name}: a noise multiplier of 0 releases the clipped gradients exactly, which is not "
+                "differentially private at any epsilon (dpvr refuses it); for a non-private baseline train "
+                "without dpvr, or give a small multiplier > 0 (privacy_spent() then reports its epsilon, "
+                "inf where it is unbounded)"
+            )
+        if not (math.isfinite(z) and z > 0):
+            raise ValueError(f"{name}: a noise multiplier must be a finite number > 0, got {z!r}")
+        return float(z)
+
+    if isinstance(noise_multiplier, Mapping):
+        return {str(k): checked(f"noise_multiplier[{k!r}]", z) for k, z in noise_multiplier.items()}
+    return EveryStream(checked("noise_multiplier", noise_multiplier))
 
 
 def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: Mapping[str, Any], *,
@@ -279,6 +367,14 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
                         f"so it must lie in [1, {n}], got {batch_size}")
     meaning = {a.name: a.help for a in spec.arguments}
     empty, keyword = inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY
+    clip, declared = settings.get("clip"), inspect.signature(cls).parameters.get("clip")
+    per_stream = "Mapping" in str(getattr(declared, "annotation", ""))  # its clip is {stream: radius}
+    if clip is not None and not isinstance(clip, Mapping) and per_stream:
+        # Said here, before a theorem's default reads a radius from it and complains about that default.
+        shape = re.search(r"clip: ``(\{.*?\})``", inspect.getdoc(cls) or "", re.S)
+        example = " ".join(shape.group(1).split()) if shape else "{stream: radius}"
+        problems.append(f"clip: {spec.name!r} clips each stream with its own radius, so it takes a mapping: "
+                        f"clip={example} (see dpvr.optim.{cls.__name__}), got {clip!r}")
     for name, parameter in inspect.signature(cls).parameters.items():
         required = parameter.kind is keyword and parameter.default is empty
         derived_later = ("steps", "privacy", "runtime", *derivable(spec.name))
@@ -411,6 +507,11 @@ class PrivateTrainer:
         """``(epsilon, delta)`` of everything released so far, and per stream its share of epsilon and its
         noise multiplier."""
         return self.algorithm.privacy_spent(delta)
+
+    def close(self) -> None:
+        """Shuts down the ``DataLoader`` workers of the run's data, if any
+        (:meth:`dpvr.optim.PrivateAlgorithm.close`); they start again if the trainer is stepped afterwards."""
+        self.algorithm.close()
 
     def state_dict(self) -> dict[str, Any]:
         return self.algorithm.state_dict()
