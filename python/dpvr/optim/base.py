@@ -153,6 +153,17 @@ class PrivateAlgorithm(Guarded):
         # The generator's keys and the run's ledger, from the binding: complete here (settings, data).
         self._bind_noise()
 
+    def close(self) -> None:
+        """Shuts down the loader workers of the run's records, if any (a ``Dataset`` loaded through a
+        ``DataLoader`` with workers); they start again if the run is stepped or its data read afterwards.
+        Without it they live until the records are collected, which a reference cycle can defer into a
+        process forked later (a loader worker of another run), where collecting them fails."""
+        data = self._private_data
+        held = [data] if isinstance(data, Records) else list(data) if isinstance(data, (list, tuple)) else []
+        for records in held:
+            if isinstance(records, Records):
+                records.close()
+
     @property
     def epsilon_budget(self) -> float | None:
         """The budget every release is admitted against (``privacy.epsilon``)."""

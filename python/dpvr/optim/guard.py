@@ -46,6 +46,12 @@ def tightest_accountant(plan: Plan) -> str:
     return tightest(plan.mechanism(dict.fromkeys(plan.streams, 1.0)).event, plan.neighbouring)
 
 
+class EveryStream(float):
+    """One noise multiplier for every stream of the plan (``make_private(noise_multiplier=z)``): a plain
+    number stays refused for a plan with several streams, where it would be ambiguous to a reader of
+    ``noise=``."""
+
+
 def resolve_noise(
     plan: Plan,
     noise: Mapping[str, float] | float | PaperSigmas | None,
@@ -78,6 +84,8 @@ def resolve_noise(
             units=dict(units) if auto and units is not None else None,
             **(privacy.paper_options if privacy.calibration == "paper" else {}),
         )
+    elif isinstance(noise, EveryStream):
+        noise = dict.fromkeys(plan.streams, float(noise))
     elif isinstance(noise, PaperSigmas):
         noise = plan.noise_from_paper(noise)
     elif isinstance(noise, Mapping):
@@ -244,7 +252,7 @@ class PrivacyGuard:
         self.ledger = ledger
 
 
-__all__ = ["BudgetExhaustedError", "PrivacyGuard", "resolve_noise", "tightest_accountant"]
+__all__ = ["BudgetExhaustedError", "EveryStream", "PrivacyGuard", "resolve_noise", "tightest_accountant"]
 
 
 class Guarded:

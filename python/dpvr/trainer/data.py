@@ -33,6 +33,7 @@ def dataset_records(
     cache_full: bool = False,
     fingerprint: str | None = None,
     stacklevel: int = 3,
+    batched: bool = True,
 ) -> Records:
     """The records of ``data`` for an algorithm of :mod:`dpvr.optim`, loaded on ``device`` with floating-point
     tensors cast to ``dtype`` (the model's, so that a float64 dataset does not meet a float32 model).
@@ -46,17 +47,21 @@ def dataset_records(
 
     Each record must collate to an ``(input, target)`` pair of tensors (checked on the first records);
     an iterable dataset and an empty one are refused. ``stacklevel``: of the warning that a ``DataLoader``'s
-    sampler is replaced, for the caller (3: the caller of the function calling this one)."""
+    sampler is replaced, for the caller (3: the caller of the function calling this one); ``batched``: whether
+    the loader's batch size is used (as the expected batch size: the algorithm draws one batch per step), as
+    that warning says."""
     if isinstance(data, Records):
         return data
     collate: Any = default_collate
     loader: DataLoader | None = None
     if isinstance(data, DataLoader):
+        size = ("its batch size becomes the expected batch size unless batch_size= is given" if batched else
+                "its batch size is not used: this algorithm's batches are the full dataset or its per-stream "
+                "batch_sizes")
         warnings.warn(
             "make_private: dpvr samples batches itself (the scheme its accountant prices), so the "
-            "DataLoader's sampler and shuffling are replaced (its batch size becomes the expected batch "
-            "size unless batch_size= is given); its dataset, collate_fn and loading options (workers, "
-            "pinned memory, prefetching) stay",
+            f"DataLoader's sampler and shuffling are replaced ({size}); its dataset, collate_fn and loading "
+            "options (workers, pinned memory, prefetching) stay",
             stacklevel=stacklevel,
         )
         loader, collate, data = data, data.collate_fn, data.dataset

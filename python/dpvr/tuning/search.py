@@ -28,7 +28,9 @@ from .randomness import SearchRandomness
 from .trials import TrialCount
 
 C = TypeVar("C")
-Build = Callable[[C, PrivacyConfig], PrivateAlgorithm]
+# A build returns a PrivateAlgorithm, or a front-door trainer (dpvr.make_private's PrivateTrainer, which this
+# layer does not import: anything whose .algorithm is a PrivateAlgorithm and that has run() and close()).
+Build = Callable[[C, PrivacyConfig], Any]
 Candidates = Union[Sequence[C], Callable[[np.random.Generator], C]]
 
 _SEARCH_STREAM = "search"
@@ -47,7 +49,8 @@ class TuningResult(Generic[C]):
     """What :func:`tune` found and what the search spent.
 
     Released by the guarantee: ``best``, ``algorithm`` (the best trial's run; its own accountant holds that
-    trial alone), ``score`` and the accounting (``per_trial_epsilon``, ``epsilon``, ``delta``, the
+    trial alone; ``trainer``: the same run as the build returned it, when that was a ``make_private``
+    trainer, else ``None``), ``score`` and the accounting (``per_trial_epsilon``, ``epsilon``, ``delta``, the
     distribution). ``None`` for the first three when a Poisson search drew no trial.
 
     Not covered, and not in :meth:`to_dict` unless asked: ``trials`` (every candidate and score) and
@@ -69,6 +72,7 @@ class TuningResult(Generic[C]):
     event: dpa.DpEvent
     accountant: Accountant = field(repr=False)
     max_trials: int | None = None
+    trainer: Any = None
 
     def to_dict(self, *, diagnostics: bool = False) -> dict[str, Any]:
         """The publishable summary; ``diagnostics=True`` adds ``trials_drawn`` and ``trials`` (see above)."""
@@ -128,12 +132,12 @@ def tune(
     *,
     epsilon: float,
     delta: float,
-    score: Callable[[PrivateAlgorithm], float],
+    score: Callable[[Any], float],
     trials_mean: float,
     distribution: str = "negative-binomial",
     shape: float | None = None,
     maximize: bool = True,
-    train: Callable[[PrivateAlgorithm], None] | None = None,
+    train: Callable[[Any], None] | None = None,
     score_sensitivity: float | None = None,
     score_noise: float | None = None,
     privacy: PrivacyConfig | None = None,
@@ -146,8 +150,10 @@ def tune(
 
     - ``build(candidate, privacy)`` constructs (does not run) the algorithm of one trial, passing ``privacy``
       on as its ``privacy=``: the tuner sets its per-trial budget there, and the algorithm calibrates its
-      noise to it. Every candidate must give the same plan (what a run releases): tune learning rates, clip
-      radii, momenta; not the number of steps or the sampling, whose runs are different mechanisms.
+      noise to it. It may return a :mod:`dpvr.optim` algorithm or a :func:`dpvr.make_private` trainer
+      (``make_private(..., privacy=privacy)``); ``train`` and ``score`` then receive the trainer. Every
+      candidate must give the same plan (what a run releases): tune learning rates, clip radii, momenta;
+      not the number of steps or the sampling, whose runs are different mechanisms.
       Every call must build a *fresh* run: its own model (e.g. ``copy.deepcopy`` of a template), optimizer,
       noise generator and seeds. A trial that shares a parameter, buffer, optimizer (or optimizer state),
       algorithm state, noise generator or seed with an earlier trial chains the trials, which the theorem
@@ -158,11 +164,13 @@ def tune(
       values a build *copies* from an earlier trial (warm starts): don't.
     - ``candidates``: a non-empty grid, drawn from uniformly, or ``sampler(rng) -> candidate``. Either way the
       draw is independent of the data, and secret: ``rng`` is the search's candidate stream (see ``seed``).
-    - ``score(algorithm)`` rates a finished trial (``maximize`` says which way). A run that diverges
-      (:class:`~dpvr.optim.DivergedError`, or a non-finite score) scores worst: divergence is a property of
-      the released iterates, and aborting the search on it would leak it.
-    - ``train(algorithm)`` runs a trial (default ``algorithm.run()``): a loop that records curves or stops
-      early on released iterates. What it released is checked against the plan afterwards.
+    - ``score(run)`` rates a finished trial, ``run`` being what ``build`` returned (``maximize`` says which
+      way). A run that diverges (:class:`~dpvr.optim.DivergedError`, or a non-finite score) scores worst:
+      divergence is a property of the released iterates, and aborting the search on it would leak it.
+    - ``train(run)`` runs a trial (default ``run.run()``): a loop that records curves or stops early on
+      released iterates. What it released is checked against the plan afterwards. Each trial is then
+      closed (its ``DataLoader`` workers shut down, the best trial's too: they start again if it is used),
+      so a search holds no worker processes between trials.
 
       Which data the score may read: with ``score_sensitivity=None`` it must read only the released model
       and data disjoint from the private training data (a public or held-out split): it is then
@@ -267,17 +275,21 @@ def tune(
     sign = 1.0 if maximize else -1.0
     drawn = count.draw(randomness.count)
     trials: list[Trial[C]] = []
-    best: tuple[float, int, PrivateAlgorithm] | None = None  # (signed score, trial index, its run)
+    best: tuple[float, int, Any] | None = None  # (signed score, trial index, its run as built)
     independence = Independence()
     # A constant-time search runs the cap whatever K is; trials past K are padding (same work, dropped).
     for index in range(drawn if cap is None else cap):
         candidate = draw(randomness.candidates)
-        algorithm = build(candidate, trial_privacy)
-        _check_trial(algorithm, trial)
-        started = independence.admit(algorithm, f"trial {index + 1}")
-        value = _run_and_score(algorithm, train, score)
-        _check_releases(algorithm, trial)
-        independence.finish(started)
+        built = build(candidate, trial_privacy)
+        try:
+            algorithm = _algorithm_of(built)
+            _check_trial(algorithm, trial)
+            started = independence.admit(algorithm, f"trial {index + 1}")
+            value = _run_and_score(built, train, score)
+            _check_releases(algorithm, trial)
+            independence.finish(started)
+        finally:  # its loader workers now, not when collected (possibly inside a later trial's worker)
+            _close(built)
         if score_noise is not None and math.isfinite(value):
             value += float(randomness.score_noise.normal(0.0, score_noise * score_sensitivity))
         if index >= drawn:
@@ -285,7 +297,7 @@ def tune(
         trials.append(Trial(candidate, value))
         key = sign * value if math.isfinite(value) else -math.inf
         if best is None or key > best[0]:
-            best = (key, index, algorithm)
+            best = (key, index, built)
 
     accountant = Accountant(RDP.name, trial.neighbouring)
     accountant.record(_SEARCH_STREAM, event)
@@ -306,7 +318,7 @@ def tune(
     chosen = None if best is None else trials[best[1]]
     return TuningResult(
         best=None if chosen is None else chosen.candidate,
-        algorithm=None if best is None else best[2],
+        algorithm=None if best is None else _algorithm_of(best[2]),
         score=None if chosen is None else chosen.score,
         trials=tuple(trials),
         trials_drawn=drawn,
@@ -318,6 +330,7 @@ def tune(
         event=event,
         accountant=accountant,
         max_trials=cap,
+        trainer=None if best is None or isinstance(best[2], PrivateAlgorithm) else best[2],
     )
 
 
@@ -388,21 +401,44 @@ def _plan_of(build: Build[C], probes: Sequence[C], privacy: PrivacyConfig) -> Pl
     over one model, or keeps one per candidate, is refused here, before any trial touches the data."""
     independence = Independence()
     built = []  # kept alive while the others are built: a shared tensor is then seen exactly
-    for i, candidate in enumerate([*probes, probes[0]]):
-        algorithm = build(candidate, privacy)
-        if not isinstance(algorithm, PrivateAlgorithm):
-            raise TypeError(f"build must return a dpvr PrivateAlgorithm, got {type(algorithm).__name__}")
-        again = "a second build" if i == len(probes) else "the build"
-        independence.admit(algorithm, f"{again} of candidate {candidate!r}")
-        built.append(algorithm)
-    plan = built[0].plan
-    for candidate, algorithm in zip(probes[1:], built[1:]):
-        if algorithm.plan != plan:
-            raise ValueError(
-                f"candidate {candidate!r} changes what a trial releases ({algorithm.plan} != "
-                f"{plan}); tune it in a separate search, or fix it"
-            )
+    try:
+        for i, candidate in enumerate([*probes, probes[0]]):
+            run = build(candidate, privacy)
+            built.append(run)
+            algorithm = _algorithm_of(run)
+            again = "a second build" if i == len(probes) else "the build"
+            independence.admit(algorithm, f"{again} of candidate {candidate!r}")
+        plan = _algorithm_of(built[0]).plan
+        for candidate, run in zip(probes[1:], built[1:]):
+            if _algorithm_of(run).plan != plan:
+                raise ValueError(
+                    f"candidate {candidate!r} changes what a trial releases ({_algorithm_of(run).plan} != "
+                    f"{plan}); tune it in a separate search, or fix it"
+                )
+    finally:
+        for run in built:
+            _close(run)
     return plan
+
+
+def _algorithm_of(built: Any) -> PrivateAlgorithm:
+    """The algorithm of what a build returned: itself, or a ``make_private`` trainer's ``.algorithm``."""
+    if isinstance(built, PrivateAlgorithm):
+        return built
+    inner = getattr(built, "algorithm", None)
+    if isinstance(inner, PrivateAlgorithm):
+        return inner
+    raise TypeError(
+        "build must return a dpvr PrivateAlgorithm (from dpvr.optim) or a make_private trainer, got "
+        f"{type(built).__name__}"
+    )
+
+
+def _close(built: Any) -> None:
+    """Shuts a trial's loader workers down (a trainer's or an algorithm's ``close``), if it has any."""
+    close = getattr(built, "close", None)
+    if callable(close):
+        close()
 
 
 def _failure(plan: Plan) -> float:
@@ -512,29 +548,28 @@ def _frozen(mapping: Mapping[str, float] | None) -> tuple[tuple[str, float], ...
 
 def _check_trial(algorithm: PrivateAlgorithm, trial: _Trial) -> None:
     """Before a trial runs: its plan and noise are the calibrated ones (what the search was accounted for)."""
-    if not isinstance(algorithm, PrivateAlgorithm):
-        raise TypeError(f"build must return a dpvr PrivateAlgorithm, got {type(algorithm).__name__}")
     if algorithm.plan != trial.plan or algorithm.noise != trial.noise:
         raise ValueError(
             f"a trial's run differs from the calibrated one (plan {algorithm.plan} vs {trial.plan}, noise "
             f"{algorithm.noise} vs {trial.noise}): build must pass its privacy argument to the algorithm "
-            "and every candidate must keep the plan"
+            "(or make_private(..., privacy=privacy)) and every candidate must keep the plan"
         )
 
 
 def _run_and_score(
-    algorithm: PrivateAlgorithm,
-    train: Callable[[PrivateAlgorithm], None] | None,
-    score: Callable[[PrivateAlgorithm], float],
+    run: Any,
+    train: Callable[[Any], None] | None,
+    score: Callable[[Any], float],
 ) -> float:
+    """``run`` (what the build returned: an algorithm or a trainer) trained and scored."""
     try:
         if train is None:
-            algorithm.run()
+            run.run()
         else:
-            train(algorithm)
+            train(run)
     except DivergedError:
         return math.nan
-    value = float(score(algorithm))
+    value = float(score(run))
     return value if math.isfinite(value) else math.nan
 
 
