@@ -52,18 +52,26 @@ def _loader(**options) -> DataLoader:
 TEMPLATE = nn.Linear(3, 2)
 
 
-def _build(loader: DataLoader):
+def _build(loader: DataLoader, *, unwrap: bool = False):
+    """A make_private build; ``unwrap``: the earlier workaround, its ``.algorithm`` with the privacy mapped
+    by hand."""
     def build(lr: float, privacy: PrivacyConfig):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the DataLoader's sampler is replaced: announced, expected
+            if unwrap:
+                return dpvr.make_private(
+                    copy.deepcopy(TEMPLATE), nn.CrossEntropyLoss(), loader, algorithm="dp-sgd",
+                    epsilon=privacy.epsilon, delta=privacy.delta, accountant=privacy.accountant,
+                    public_dataset_size=privacy.public_dataset_size, clip=1.0, lr=lr, steps=3,
+                ).algorithm
             return dpvr.make_private(copy.deepcopy(TEMPLATE), nn.CrossEntropyLoss(), loader,
                                      algorithm="dp-sgd", privacy=privacy, clip=1.0, lr=lr, steps=3)
     return build
 
 
-def _score(trainer) -> float:
+def _score(run) -> float:
     with torch.no_grad():
-        return -float(nn.functional.cross_entropy(trainer.model(_Records().x), _Records().y))
+        return -float(nn.functional.cross_entropy(run.model(_Records().x), _Records().y))
 
 
 def _workers() -> int:
@@ -84,21 +92,23 @@ def test_tune_takes_a_make_private_build_and_keeps_its_accounting() -> None:
     assert result.epsilon <= 2.0
 
 
-def test_each_trial_is_closed_no_worker_outlives_the_search(capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("unwrap", [False, True], ids=["trainer", "algorithm"])
+def test_each_trial_is_closed_no_worker_outlives_the_search(unwrap: bool, capfd) -> None:
     before = _workers()
-    result = tune(_build(_loader(worker_init_fn=_collect_in_worker)), [0.05, 0.5], epsilon=2.0,
-                  delta=DELTA, score=_score, trials_mean=4, distribution="poisson",
-                  privacy=PrivacyConfig(public_dataset_size=N), seed=1, reproducible=True)
+    build = _build(_loader(worker_init_fn=_collect_in_worker), unwrap=unwrap)
+    privacy = PrivacyConfig(public_dataset_size=N)
+    result = tune(build, [0.05, 0.5], epsilon=2.0, delta=DELTA, score=_score, trials_mean=4,
+                  distribution="poisson", privacy=privacy, seed=1, reproducible=True)
     assert result.trials_drawn >= 2  # so that a later trial's workers were forked after an earlier trial
     assert _workers() == before  # every trial's workers (the best one's too) shut down
     err = capfd.readouterr().err
     assert "can only test a child process" not in err
     assert "Exception ignored" not in err
     # The best trial stays usable: its workers start again when it is read.
-    before_step = _workers()
-    result.trainer.algorithm.records.batch([0, 1, 2])
-    result.trainer.close()
-    assert _workers() == before_step
+    result.algorithm.records.batch([0, 1, 2])
+    assert _workers() > before
+    result.algorithm.close()
+    assert _workers() == before
 
 
 def test_make_private_privacy_argument_and_its_conflicts() -> None:

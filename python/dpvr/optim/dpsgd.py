@@ -66,7 +66,8 @@ class DPSGD(PrivateAlgorithm):
             bound); refused otherwise.
         weak_convexity: the losses' weak-convexity constant ``m`` (needed with ``"cyclic"``).
         smoothness: the losses' upper-smoothness constant ``M`` (needed with ``"cyclic"``).
-        clipping: ``False`` (``"cyclic"`` only) asserts that no per-example gradient norm ever exceeds
+        clipping: ``False`` (``"cyclic"`` only; refused with the other schemes, whose accounting needs the
+            clipping) asserts that no per-example gradient norm ever exceeds
             ``clip`` (a known Lipschitz bound, e.g. unit-norm features for logistic regression), which gives
             the much smaller bound of Theorem 2.3 eq. (19); every step verifies the assertion and stops the
             run (releasing nothing more) if a gradient breaks it. Default ``True``.
@@ -84,12 +85,14 @@ class DPSGD(PrivateAlgorithm):
             model, loss and data, as given).
 
     Raises:
-        ValueError: ``clip <= 0``; ``optimizer`` with ``sampling="cyclic"``; a bad ``lr`` (``<= 0``, missing
-            without an optimizer, or given with one); ``sampling="full"`` under ``"add-remove"``;
+        ValueError: ``clip <= 0``; ``clipping`` not a bool (per-layer clipping is not implemented), or
+            ``False`` without ``"cyclic"``; ``optimizer`` with ``sampling="cyclic"``; a bad ``lr`` (``<= 0``,
+            missing without an optimizer, or given with one); ``sampling="full"`` under ``"add-remove"``;
             ``"cyclic"`` without ``weak_convexity`` and ``smoothness``, or with a step size the theorems do
             not cover, or an unknown ``bound``; ``prox`` without ``"cyclic"``; an unknown ``sampling`` or a
             batch size it cannot use; noise that is neither given nor calibratable.
-        TypeError: ``privacy``/``runtime`` of the wrong type, ``optimizer`` not a ``torch.optim.Optimizer``,
+        TypeError: ``clip`` not a number (one radius for the whole per-record gradient);
+            ``privacy``/``runtime`` of the wrong type, ``optimizer`` not a ``torch.optim.Optimizer``,
             or ``targets`` given with ``Records``.
         RuntimeError: (at a step) under ``clipping=False``, a per-example gradient norm exceeded ``clip``.
         BudgetExhaustedError: (at a step) the release would exceed ``privacy.epsilon``.
@@ -134,8 +137,7 @@ class DPSGD(PrivateAlgorithm):
                 bound=bound, optimizer=optimizer, privacy=privacy, runtime=runtime,
             )  # fmt: skip
         records = as_records(inputs, targets)
-        if not clip > 0:
-            raise ValueError(f"clip: must be > 0, got {clip}")
+        _check_arguments(clip, clipping, sampling, noise)
         if optimizer is not None and sampling == "cyclic":
             raise ValueError("optimizer: the last-iterate bound is proved for the (proximal) SGD step only")
         lr = step_size(lr, optimizer)
@@ -312,3 +314,39 @@ class DPGD(DPSGD):
         ):
             raise ValueError("DPGD uses the full batch; use DPSGD for sampled batches")
         super().__init__(model, loss_fn, inputs, targets, sampling="full", settings=given, **kwargs)
+
+
+def _check_arguments(clip: Any, clipping: Any, sampling: str, noise: Any) -> None:
+    """``clip`` one radius > 0 and ``clipping`` a bool, ``False`` only for the cyclic last-iterate run: a
+    setting DP-SGD cannot honour is refused rather than ignored. A zero noise multiplier is refused saying
+    why (the other bad values by the plan's own check)."""
+    given = noise.values() if isinstance(noise, Mapping) else [noise]
+    if any(z is not None and not isinstance(z, str) and z == 0 for z in given):
+        raise ValueError(
+            "noise: a noise multiplier of 0 releases the clipped gradients exactly, which is not "
+            "differentially private at any epsilon (dpvr refuses it); for a non-private baseline train "
+            "without dpvr, or give a small multiplier > 0 (privacy_spent() then reports its epsilon, inf "
+            "where it is unbounded)"
+        )
+    try:
+        radius = None if isinstance(clip, (bool, str)) else float(clip)
+    except (TypeError, ValueError):
+        radius = None
+    if radius is None:
+        raise TypeError(
+            f"clip: DP-SGD clips each record's whole gradient (every parameter at once) to one radius C, a "
+            f"number > 0; got {type(clip).__name__} {clip!r} (per-layer radii are not implemented)"
+        )
+    if not radius > 0:
+        raise ValueError(f"clip: must be > 0, got {clip}")
+    if not isinstance(clipping, bool):
+        raise ValueError(
+            f"clipping: True (each record's whole gradient clipped to clip) or False (sampling='cyclic' "
+            f"only), got {clipping!r}; per-layer clipping is not implemented"
+        )
+    if not clipping and sampling != "cyclic":
+        raise ValueError(
+            f"clipping=False: only sampling='cyclic' takes it (the last-iterate bound of a known Lipschitz "
+            f"constant, verified at every step); sampling={sampling!r} always clips each record's gradient "
+            "to clip, which its accounting needs"
+        )

@@ -112,6 +112,20 @@ class PrivacyReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """One line for ``print(trainer.privacy_spent())``: epsilon at delta, the accountant and relation, and
+        per stream its noise multiplier (and share of epsilon when there are several); the assumptions are
+        in :attr:`assumptions`."""
+        epsilon = "inf (unbounded)" if math.isinf(self.epsilon) else f"{self.epsilon:.4g}"
+        several = len(self.shares) > 1
+        streams = [
+            f"{name}: noise multiplier {z:.4g}"
+            + (f", {self.shares[name]:.0%} of epsilon" if several and name in self.shares else "")
+            for name, z in self.noise_multipliers.items()
+        ]
+        return (f"epsilon={epsilon} at delta={self.delta:g} ({self.accountant.upper()}, {self.neighbouring}"
+                + "".join(f"; {s}" for s in streams) + ")")
+
 
 def event_to_dict(event: dpa.DpEvent) -> dict[str, Any]:
     """A JSON-serialisable description of a dp_accounting event (nested events included)."""
@@ -626,9 +640,10 @@ class _ComposedPLD:
     release's PLD is built once per process (:func:`_event_pld`), self-composed by its count, and the results
     composed in a canonical order, so the same multiset always gives the same distribution."""
 
-    def __init__(self, pld: Any | None, interval: float) -> None:
+    def __init__(self, pld: Any | None, interval: float, *, overflow: bool = False) -> None:
         self._pld = pld  # None: something recorded is not differentially private (a release without noise)
         self.interval = interval
+        self.overflow = overflow  # the losses exceed floating point (see _compose): epsilon inf
 
     @classmethod
     def of(
@@ -654,6 +669,9 @@ class _ComposedPLD:
         return self.get_delta(epsilon)
 
     def notes(self) -> list[str]:
+        if self.overflow:
+            return ["a release's privacy loss exceeds floating point (a noise multiplier near 0): epsilon is "
+                    "unbounded, reported as inf"]
         if self.interval <= PLD_DISCRETIZATION:
             return []
         return [
@@ -804,7 +822,16 @@ def _compose(groups: tuple[tuple[str, int], ...], neighbouring: str, interval: f
             total = total.compose(pld_numerics.self_compose(pld, count, _TAIL_MASS) if count > 1 else pld)
         return _ComposedPLD(total, grid)
 
-    composed = _COMPOSED.get((groups, neighbouring, interval), build)
+    def bounded() -> _ComposedPLD:
+        # A release with almost no noise (multiplier ~1e-6) has privacy losses of ~1e12 units; the grid wide
+        # enough to hold them makes dp_accounting's exp(grid) overflow. Its epsilon is unbounded for any use:
+        # reported as inf (an upper bound), not raised from privacy_spent() or a budget check.
+        try:
+            return build()
+        except OverflowError:
+            return _ComposedPLD(None, interval, overflow=True)
+
+    composed = _COMPOSED.get((groups, neighbouring, interval), bounded)
     return composed
 
 
