@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 import numbers
 import re
@@ -58,6 +59,19 @@ class _FrontDoor(Sequence[str]):
 ALGORITHMS: Sequence[str] = _FrontDoor()
 
 Evaluation = Callable[["PrivateTrainer", dict[str, float]], Any]
+
+_LOG = logging.getLogger("dpvr")  # one line per step at INFO, when the user enables it (PrivateTrainer.step)
+
+
+def _scalars(info: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric entries of a step's information dictionary (one-element tensors read)."""
+    out = {}
+    for key, value in info.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
 
 
 @constructed  # under a process group: every process agrees on the whole run before it is returned
@@ -482,26 +496,46 @@ class PrivateTrainer:
         self._evaluations.append((every, callback))
         return self
 
-    def step(self) -> dict[str, float]:
+    def step(self, *, writer: Any = None) -> dict[str, float]:
         """One step of the algorithm (one or more releases, each admitted by the budget guard); then the
-        :meth:`evaluate` callbacks that are due, when the model holds released parameters."""
+        :meth:`evaluate` callbacks that are due, when the model holds released parameters.
+
+        Metrics: with the ``"dpvr"`` logger enabled at ``INFO`` (``logging.getLogger("dpvr").setLevel(
+        logging.INFO)`` and a handler), one line per step, and with ``writer`` (TensorBoard's
+        ``SummaryWriter``, or anything with its ``add_scalar``) one scalar ``dpvr/<entry>`` per numeric entry:
+        the step's information dictionary, i.e. the class's documented diagnostics. Like the dictionary, they
+        are for the data holder: entries computed from private data without noise (``loss``,
+        ``nonfinite``) are not releases and must not be published."""
         info = self.algorithm.step()
         if self.released:  # under the last-iterate bound: not before the run is complete
             for every, callback in self._evaluations:
                 if self.algorithm.steps_done % every == 0:
                     callback(self, info)
+        if writer is not None or _LOG.isEnabledFor(logging.INFO):  # reading a device value waits for it
+            scalars = _scalars(info)
+            _LOG.info("%s step %d/%d: %s", self.algorithm.name, self.steps_done, self.total_steps,
+                      ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
+            for key, value in scalars.items() if writer is not None else ():
+                writer.add_scalar(f"dpvr/{key}", value, self.steps_done)
         return info
 
     def __iter__(self) -> Iterator[dict[str, float]]:
         while self.algorithm.steps_done < self.algorithm.total_steps:
             yield self.step()
 
-    def run(self, steps: int | None = None, *, progress: bool = False) -> list[dict[str, float]]:
-        """Runs ``steps`` steps (default: the rest of the planned run); ``progress=True`` shows a bar."""
+    def run(self, steps: int | None = None, *, progress: bool = False,
+            writer: Any = None) -> list[dict[str, float]]:
+        """Runs ``steps`` steps (default: the rest of the planned run); ``progress=True`` shows a bar;
+        ``writer``: each step's metrics (:meth:`step`), and at the end ``dpvr/epsilon``, the epsilon spent
+        (released: it is a function of what the run released)."""
         from tqdm import tqdm
 
         remaining = self.algorithm.total_steps - self.algorithm.steps_done if steps is None else steps
-        return [self.step() for _ in tqdm(range(remaining), desc=self.algorithm.name, disable=not progress)]
+        bar = tqdm(range(remaining), desc=self.algorithm.name, disable=not progress)
+        infos = [self.step(writer=writer) for _ in bar]
+        if writer is not None:
+            writer.add_scalar("dpvr/epsilon", self.privacy_spent().epsilon, self.steps_done)
+        return infos
 
     def privacy_spent(self, delta: float | None = None) -> PrivacyReport:
         """``(epsilon, delta)`` of everything released so far, and per stream its share of epsilon and its
