@@ -193,3 +193,21 @@ def test_the_spiders_take_the_dro_theorems_period_and_batches(algorithm):
     assert trainer.derived["restart"].value == min(given["steps"], max(1, round(q)))
     trainer.run()
     assert trainer.privacy_spent().epsilon <= 2.0 * (1 + 1e-9)
+
+
+def test_diff2_without_a_length_runs_the_theorems_rounds():
+    """Neither steps nor epochs: DIFF2's R is Theorem 4.3's (its proof with the accountant's constant), the
+    restart period and step follow from it, and the run's plan is exactly that length; other algorithms still
+    need a length."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(400, 3, generator=g), torch.randn(400, 1, generator=g)
+    clip = {"restart": 1.0, "difference": 2.0}
+    trainer = dpvr.make_private(torch.nn.Linear(3, 1), torch.nn.MSELoss(), TensorDataset(x, y),
+                                algorithm="diff2", epsilon=4.0, delta=1e-6, clip=clip)
+    expected = diff2_protocol(400, 1, 4, 4.0, 1e-6, lipschitz=1.0, smoothness=2.0)
+    assert trainer.derived["steps"].value == expected.rounds == trainer.algorithm.plan.steps
+    assert trainer.derived["restart"].value == expected.restart
+    assert "Theorem 4.3" in trainer.derived["steps"].why
+    with pytest.raises(ValueError, match="exactly one of epochs= or steps="):
+        dpvr.make_private(torch.nn.Linear(3, 1), torch.nn.MSELoss(), TensorDataset(x, y), algorithm="dp-gd",
+                          epsilon=4.0, clip=1.0, lr=0.1)

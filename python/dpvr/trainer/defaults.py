@@ -60,7 +60,7 @@ class Public:
     dimension: int
     epsilon: float
     delta: float
-    steps: int
+    steps: int | None  # None only while the run's length itself is derived (:func:`derive_steps`)
 
 
 def derivable(algorithm: str) -> tuple[str, ...]:
@@ -289,6 +289,41 @@ def _spider_batch_sizes(streams: tuple[str, str, str, str], refresh: tuple[str, 
 
     return rule
 
+
+def derives_steps(algorithm: str) -> bool:
+    """Whether ``algorithm``'s run length ``R`` is derived from its theorem when neither steps nor epochs are
+    given (:func:`derive_steps`)."""
+    return algorithm in _STEP_RULES
+
+
+def derive_steps(algorithm: str, settings: Mapping[str, Any], public: Public) -> Derived:
+    """The run length ``R`` of ``algorithm``'s theorem (``public.steps`` is not read).
+
+    Raises:
+        ValueError: ``algorithm`` has no such rule, or its theorem needs a radius ``clip`` does not give.
+    """
+    if algorithm not in _STEP_RULES:
+        raise ValueError(f"make_private({algorithm!r}): give the run's length as one of epochs= or steps=")
+    try:
+        return _STEP_RULES[algorithm](settings, public)
+    except _Missing as missing:
+        message = f"make_private({algorithm!r}): steps: not given, and its default ({missing})"
+        raise ValueError(message) from None
+
+
+def _diff2_rounds(settings: Mapping[str, Any], p: Public) -> Derived:
+    """DIFF2-GD, Theorem 4.3 (its proof, the accountant's constant): ``R = max(1/tau, N / sqrt(2 c d tau))``
+    (:func:`diff2_protocol`), the fewest rounds past which the theorem's bound stops falling."""
+    theorem = "DIFF2 Theorem 4.3 (proof), R = max(1/tau, N / sqrt(2 c d tau)), c = z^2/R of the accountant"
+    c1, c2 = _radius(settings, "restart", theorem), _radius(settings, "difference", theorem)
+    protocol = diff2_protocol(p.n, p.clients, p.dimension, p.epsilon, p.delta, lipschitz=c1, smoothness=c2)
+    return Derived(protocol.rounds, f"{theorem}: C1={c1:g} (for G), C2={c2:g} (for L), f(x0) - f* = 1, "
+                                    f"d={p.dimension}, n={p.n}, P={p.clients}, epsilon={p.epsilon:g}, "
+                                    f"delta={p.delta:g}, c={protocol.noise_constant:.4g}: "
+                                    f"tau={protocol.tau:.3g}, R={protocol.rounds}")
+
+
+_STEP_RULES: dict[str, Any] = {"diff2": _diff2_rounds}
 
 _RULES: dict[str, dict[str, Any]] = {
     "diff2": {"restart": _diff2_restart, "lr": _diff2_lr},

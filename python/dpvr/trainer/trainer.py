@@ -33,7 +33,7 @@ from ..problems import MinimaxProblem
 from .checks import PROBE, check_model
 from .collate import check_collate
 from .data import dataset_records
-from .defaults import Derived, Public, derivable, derive
+from .defaults import Derived, Public, derivable, derive, derive_steps, derives_steps
 from .losses import check_separable, per_sample
 from .parallel import DataParallel, constructed
 
@@ -132,7 +132,10 @@ def make_private(
             prices; a fractional number of epochs is charged as the next whole number), ``n / batch_size``
             for the cyclic last-iterate traversal, ``ceil(n / batch_size)`` for Poisson and fixed-size
             batches, one step for the full batch (``"dp-gd"``, ``"diff2"``, ``sampling="full"``).
-        steps: the run's length in steps (or give ``epochs``); the SPIDERs take ``steps``.
+        steps: the run's length in steps (or give ``epochs``); the SPIDERs take ``steps``. For ``"diff2"``,
+            neither: the rounds ``R`` of Theorem 4.3's proof with the accountant's noise constant (the
+            clip radii standing in for ``G`` and ``L``; :func:`dpvr.trainer.defaults.diff2_protocol`),
+            shown in ``trainer.derived["steps"]``.
         accountant: ``"rdp"`` or ``"pld"``; default the tightest the algorithm's plan allows (PLD wherever its
             releases are Gaussian on Poisson, fixed-size or full batches).
         public_dataset_size: the dataset size ``N`` stated as public
@@ -276,19 +279,25 @@ def make_private(
     # as two (the plan prices any step past round(n / b) as a new epoch).
     scheme = _sampling(cls, settings) if sampled else "full"
     per_epoch = 1 if per_stream else steps_per_epoch(scheme, n, batch_size)
-    if steps is None:
-        steps = max(1, round(epochs * per_epoch))
-    # The schedule settings not given, from the papers' theorems and public quantities only.
+    # The schedule settings not given (the run's length too, where a theorem gives it), from the papers'
+    # theorems and public quantities only.
     if epsilon is None:  # the theorems' schedules are functions of the budget
         needed = [name for name in derivable(algorithm) if settings.get(name) is None]
+        needed += ["steps"] if steps is None and epochs is None else []
         if needed:
             raise ValueError(
                 f"make_private({algorithm!r}): {', '.join(needed)}: not given, and the theorems' defaults "
                 "are functions of the budget epsilon; give them, or give epsilon= beside noise_multiplier="
             )
     dimension = sum(p.numel() for p in params)
-    derived = derive(algorithm, settings, Public(n=n, clients=len(records), dimension=dimension,
-                                                 epsilon=epsilon, delta=delta, steps=steps))
+    public = Public(n=n, clients=len(records), dimension=dimension, epsilon=epsilon, delta=delta, steps=steps)
+    derived: dict[str, Derived] = {}
+    if steps is None and epochs is None:
+        derived["steps"] = derive_steps(algorithm, settings, public)
+        steps = derived["steps"].value
+    elif steps is None:
+        steps = max(1, round(epochs * per_epoch))
+    derived.update(derive(algorithm, settings, dataclasses.replace(public, steps=steps)))
     settings.update({name: d.value for name, d in derived.items()})
     arguments: dict[str, Any] = {
         "steps": steps,
@@ -365,7 +374,7 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
             problems.append(f"steps: {spec.name!r} takes steps= (its batches differ per stream)")
         if epochs is not None:
             problems.append(f"epochs: {spec.name!r} has no single epoch (its batches differ per stream)")
-    elif (epochs is None) == (steps is None):
+    elif (epochs is None) == (steps is None) and not (steps is None and derives_steps(spec.name)):
         problems.append("give the run's length as exactly one of epochs= or steps=")
     if steps is not None and not (isinstance(steps, int) and steps >= 1):
         problems.append(f"steps: the number of steps must be a whole number >= 1, got {steps!r}")
