@@ -159,3 +159,28 @@ def test_budget_guard_holds_across_a_resume(tmp_path):
     with pytest.raises(BudgetExhaustedError, match=f"{spent:.4g}"):
         resumed.step()
     assert resumed.steps_done == steps and all(torch.equal(a, b) for a, b in zip(before, resumed.params))
+
+
+def test_a_budget_refusal_after_a_resume_names_the_releases_the_ledger_charged(tmp_path):
+    """A resume from an earlier checkpoint charges what the run released after it; when the budget then runs
+    out, the refusal says so, rather than leaving the user to wonder why fewer steps fit."""
+    x, y = data()
+
+    def guarded():
+        return DPSGD(
+            torch.nn.Linear(3, 1).double(), lambda o, t: ((o - t) ** 2).sum(), x, y, lr=0.1, clip=1.0,
+            steps=12, batch_size=8, noise=4.0, sampling="wor", privacy=PrivacyConfig(epsilon=2.5, delta=1e-5),
+            runtime=RuntimeConfig(generator=dpvr.NoiseGenerator(seed=1, reproducible=True), sampler_seed=2),
+        )  # fmt: skip
+
+    alg = guarded()
+    alg.step()
+    path = tmp_path / "ckpt"
+    alg.save_checkpoint(path)
+    for _ in range(3):
+        alg.step()
+    resumed = guarded()
+    resumed.load_checkpoint(path)
+    with pytest.raises(BudgetExhaustedError, match=r"includes 3 release\(s\) made after the checkpoint"):
+        resumed.run(progress=False)
+    assert 1 <= resumed.steps_done < 12

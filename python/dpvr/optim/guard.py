@@ -126,6 +126,7 @@ class PrivacyGuard:
         self.parallel = parallel
         self.released: dict[str, int] = {}  # sequential: releases per stream admitted so far
         self.charged: set[tuple[str, str]] = set()  # parallel: (segment, stream) recorded once
+        self.charged_on_resume = 0  # releases of discarded branches charged by resume(), for refusals to name
         self.ledger = RunLedger()
 
     # ---- the budget ----------------------------------------------------------------------------------
@@ -142,7 +143,15 @@ class PrivacyGuard:
     def refuse_beyond(self, parts: Any, event: dpa.DpEvent, refusal: Refusal) -> None:
         """Raises :class:`BudgetExhaustedError` (``refusal(spent)``) if ``event`` would exceed the budget."""
         if self.would_exceed(parts, event):
-            raise BudgetExhaustedError(refusal(self.spent()))
+            message = refusal(self.spent())
+            if self.charged_on_resume:
+                count = self.charged_on_resume
+                message += (
+                    f"; the spend includes {count} release(s) made after the checkpoint this run resumed "
+                    "from (a branch the resume discarded), charged from the run's ledger: they were "
+                    "released, so they count"
+                )
+            raise BudgetExhaustedError(message)
 
     def fits_plan(self, releases: Mapping[str, int]) -> bool:
         """Whether ``{stream: count}`` more releases keep every stream within the (affordable) plan."""
@@ -246,6 +255,7 @@ class PrivacyGuard:
                     continue
                 self.charged.add((release.segment, name))
             self.accountant.record(release.parts, release.event, run=release.segment, replace=release.replace)
+            self.charged_on_resume += 1
         if after:  # charged on top of the plan's: check every release from now on
             self.within_plan = False
         ledger.resumed(rerun, seed)
