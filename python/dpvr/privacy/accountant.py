@@ -14,8 +14,9 @@ recorded release by release, its budget guard and its calibration as one mechani
 Unsampled Gaussian releases are composed in closed form first (a composition of Gaussians with noise
 multipliers ``z_i`` is exactly one with ``z = (sum_i 1/z_i^2)^(-1/2)``), so that their rounding to the loss
 grid is paid once, not once per release. The loss grid is dp_accounting's ``1e-4`` unless a distribution
-would then need more than ``_MAX_PLD_POINTS`` points (a release with little noise); it is then coarsened by
-powers of two, which keeps the bound pessimistic, and the report says so.
+would then need more than ``_MAX_PLD_POINTS`` points after dp_accounting's truncation of its tails (a
+release with little noise); it is then coarsened by the least power of two that fits, which keeps the bound
+pessimistic, and the report says so (``PrivacyReport.pld_grid``).
 
 A stream's *share* is its part of the total RDP at the reporting order (the optimal order of the RDP
 conversion). RDP composes additively at a fixed order, so the shares of all streams sum to one. With the
@@ -62,7 +63,7 @@ from .relations import (
     require_supported,
     walk,
 )
-from .subsampling import PLD_DISCRETIZATION, gaussian_pld, wor_gaussian_pld
+from .subsampling import PLD_DISCRETIZATION, gaussian_loss_width, gaussian_pld, wor_gaussian_pld
 
 StreamSpec = Union[str, Mapping[str, float]]
 _FORMAT = "dpvr.privacy.Accountant/2"
@@ -94,6 +95,11 @@ class PrivacyReport:
         shares: each stream's fraction of the spend.
         assumptions: every assumption the guarantee rests on (relation, clipping, sampling, ...).
         noise_multipliers: each stream's noise multiplier, in an algorithm's report.
+        pld_grid: under PLD, the width of the privacy-loss grid ``epsilon`` was computed on (dp_accounting's
+            ``1e-4`` unless the releases need a coarser one to fit in memory); ``None`` otherwise.
+        pld_epsilon: under RDP, the epsilon the PLD accountant reports for the same releases at ``delta``
+            (usually smaller: RDP's conversion is looser), so that the choice of accountant is visible;
+            ``None`` where PLD cannot price them.
 
     Guarantee:
         The recorded releases, composed, are ``(epsilon, delta)``-DP under ``neighbouring`` provided every
@@ -108,6 +114,8 @@ class PrivacyReport:
     shares: dict[str, float]
     assumptions: list[str] = field(default_factory=list)
     noise_multipliers: dict[str, float] = field(default_factory=dict)
+    pld_grid: float | None = None
+    pld_epsilon: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -489,8 +497,9 @@ class Accountant:
             return {name: 0.0 for name in self._stream_rdp}
         return {name: float(v[i] / total) for name, v in self._stream_rdp.items()}
 
-    def report(self, delta: float) -> PrivacyReport:
-        """epsilon at ``delta``, the reporting order, each stream's share, and every stated assumption."""
+    def report(self, delta: float, *, compare: bool = True) -> PrivacyReport:
+        """epsilon at ``delta``, the reporting order, each stream's share, and every stated assumption; under
+        RDP with ``compare``, also what the PLD accountant would report (``PrivacyReport.pld_epsilon``)."""
         epsilon, order = self._epsilon_and_order(delta)
         assumptions = [_RELATION_NOTES[self._neighbouring], *self._assumptions]
         share_order = order
@@ -504,7 +513,8 @@ class Accountant:
                     "stream shares measured on an RDP proxy: add/remove at twice the sensitivity for "
                     "Poisson-sampled replace-one releases, Poisson sampling at rate 1/t for random allocation"
                 )
-        assumptions.extend(self._composition().notes())
+        composition = self._composition()
+        assumptions.extend(composition.notes())
         if self._failure:
             assumptions.append(
                 f"sensitivity bounds fail with probability <= {self._failure:g}, included in delta"
@@ -517,7 +527,18 @@ class Accountant:
             order=order,
             shares=self.shares(share_order) if self._stream_rdp else {},
             assumptions=assumptions,
+            pld_grid=composition.interval if isinstance(composition, _ComposedPLD) else None,
+            pld_epsilon=self._pld_epsilon(delta) if compare and self._kind == RDP.name else None,
         )
+
+    def _pld_epsilon(self, delta: float) -> float | None:
+        """epsilon at ``delta`` of the ledger by the PLD accountant (``None`` if it cannot price an entry):
+        the same releases, composed as an accountant ``"pld"`` composes them."""
+        if not self._ledger or any(
+            PLD.unsupported_reason(e.event, self._neighbouring) is not None for e in self._ledger
+        ):
+            return None
+        return _ComposedPLD.of(self._ledger, self._neighbouring).get_epsilon(self._mechanism_delta(delta))
 
     # -- checkpointing -----------------------------------------------------------------------------------
 
@@ -602,10 +623,17 @@ def spend_curves(
             cuts.append({})
     labels = dict.fromkeys(label for runs in cuts for label in runs)
     return {
-        label: [account(_mechanism(runs[label], noise), delta, accountant=accountant).epsilon
-                if label in runs else math.nan for runs in cuts]
+        label: [_epsilon(_mechanism(runs[label], noise), delta, accountant) if label in runs else math.nan
+                for runs in cuts]
         for label in labels
     }
+
+
+def _epsilon(mechanism: Mechanism, delta: float, accountant: str) -> float:
+    """:func:`account`'s epsilon, without the report's comparison with PLD."""
+    acc = Accountant(accountant, mechanism.neighbouring)
+    acc.record_mechanism(mechanism)
+    return acc.epsilon(delta)
 
 
 def _mechanism(plan: Any, noise: Mapping[str, float]) -> Mechanism:
@@ -733,16 +761,26 @@ def _groups(entries: Sequence[_Entry]) -> tuple[tuple[str, int], ...]:
 
 
 def _loss_width(event: dpa.DpEvent, neighbouring: str) -> float:
-    """An upper bound on the width of the loss range of ``event``'s PLD, where it is known cheaply (a Gaussian
-    however sampled: ``mu^2 + 2 * 12 mu`` for ``mu = sensitivity / z``, sampling only narrowing it; a
-    Laplace), else 0: the PLD is then built first and measured (:func:`_compose`)."""
+    """The width of the loss range of ``event``'s PLD where it is known cheaply, else 0 (the PLD is then built
+    first and measured, :func:`_compose`): a Gaussian, plain or sampled at rate ``q``, spans dp_accounting's
+    connect-the-dots bounds exactly (its tails cut at ``e^-50``); under random allocation a bound,
+    ``mu^2 + 2 * 12 mu + log 1e9`` for ``mu = 1 / z``; a Laplace spans ``[-1/b, 1/b]``."""
+    rate = 1.0
+    if isinstance(event, dpa.PoissonSampledDpEvent):
+        rate = event.sampling_probability
+    elif isinstance(event, dpa.SampledWithoutReplacementDpEvent) and event.source_dataset_size > 0:
+        rate = event.sample_size / event.source_dataset_size
+    allocated = isinstance(event, RandomAllocationDpEvent)
     while isinstance(
         event, (dpa.PoissonSampledDpEvent, dpa.SampledWithoutReplacementDpEvent, RandomAllocationDpEvent)
     ):
         event = event.event
     if isinstance(event, dpa.GaussianDpEvent) and event.noise_multiplier > 0:
-        mu = (2.0 if neighbouring == REPLACE_ONE else 1.0) / event.noise_multiplier
-        return mu * mu + 2 * _WIDTH_SDS * mu + math.log(1e9)  # + log t for random allocation's sums
+        sensitivity = 2.0 if neighbouring == REPLACE_ONE else 1.0
+        if allocated:
+            mu = sensitivity / event.noise_multiplier
+            return mu * mu + 2 * _WIDTH_SDS * mu + math.log(1e9)  # + log t for random allocation's sums
+        return gaussian_loss_width(event.noise_multiplier, sensitivity, min(rate, 1.0)) if rate > 0 else 0.0
     if isinstance(event, dpa.LaplaceDpEvent) and event.noise_multiplier > 0:
         return 2.0 / event.noise_multiplier  # losses in [-1/b, 1/b]
     if isinstance(event, dp_event.DiscreteLaplaceDpEvent) and event.noise_parameter > 0:
@@ -751,21 +789,9 @@ def _loss_width(event: dpa.DpEvent, neighbouring: str) -> float:
 
 
 def _points(pld: Any, count: int = 1) -> int:
-    """Grid points of ``pld`` self-composed ``count`` times, as dp_accounting will allocate them (its Chernoff
-    truncation bounds), in its larger direction."""
-    most = 0
-    for pmf in {id(p): p for p in (pld._pmf_remove, pld._pmf_add)}.values():  # noqa: SLF001
-        probs = getattr(pmf, "_probs", None)
-        if probs is None:  # a sparse PMF (a few losses): its span, as dense, bounds any composition of it
-            losses = list(getattr(pmf, "_loss_probs", {0: 1.0}))
-            most = max(most, (max(losses) - min(losses)) * count + 1)
-            continue
-        if count == 1 or (probs.size - 1) * count < _MAX_PLD_POINTS:  # no truncation bounds needed
-            most = max(most, (probs.size - 1) * count + 1)
-        else:
-            lower, upper = pld_numerics.self_convolve_bounds(probs, count, _TAIL_MASS)
-            most = max(most, upper - lower + 1)
-    return most
+    """Grid points of ``pld`` self-composed ``count`` times, as dp_accounting will allocate them (after its
+    Chernoff truncation of the tails, sparse PMFs included), in its larger direction."""
+    return max(pld_numerics.composed_points(pmf, count, _TAIL_MASS) for pmf in pld_numerics.pmfs(pld))
 
 
 class _PLDCache:
@@ -818,8 +844,11 @@ def _compose(groups: tuple[tuple[str, int], ...], neighbouring: str, interval: f
                 break
             grid *= 2.0 ** math.ceil(math.log2(points / _MAX_PLD_POINTS))
         total = privacy_loss_distribution.identity(grid)  # nothing released
-        for pld, count in plds:
-            total = total.compose(pld_numerics.self_compose(pld, count, _TAIL_MASS) if count > 1 else pld)
+        for event, (pld, count) in zip(events, plds):
+            # As dp_accounting's accountant: a release is self-composed by its count even when that is 1
+            # (which truncates its tails into the infinity mass), except the Gaussians merged into one.
+            merged = isinstance(event, dpa.GaussianDpEvent)
+            total = total.compose(pld if merged else pld_numerics.self_compose(pld, count, _TAIL_MASS))
         return _ComposedPLD(total, grid)
 
     def bounded() -> _ComposedPLD:

@@ -137,3 +137,28 @@ def _pmfs(pld: pld_lib.PrivacyLossDistribution) -> list[pld_pmf.PLDPmf]:
         return [pld._pmf_remove]  # noqa: SLF001
     return [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
 
+
+def pmfs(pld: pld_lib.PrivacyLossDistribution) -> list[pld_pmf.PLDPmf]:
+    """The PMFs of ``pld`` that its epsilon depends on (remove, and add unless symmetric)."""
+    return _pmfs(pld)
+
+
+def dense_parts(pmf: pld_pmf.PLDPmf) -> tuple[int, np.ndarray, float]:
+    """``(lower loss as a grid index, probabilities, infinity mass)`` of ``pmf`` as a dense PMF (a sparse one
+    converted, as dp_accounting converts it before a large self-composition). dp_accounting has no public
+    accessor for these; this is where dpvr reads them."""
+    dense = pmf.to_dense_pmf()
+    return int(dense._lower_loss), dense._probs, float(dense._infinity_mass)  # noqa: SLF001
+
+
+def composed_points(pmf: pld_pmf.PLDPmf, count: int, tail_mass: float) -> int:
+    """Grid points dp_accounting allocates for ``pmf`` self-composed ``count`` times with ``tail_mass``
+    truncated: a sparse PMF stays sparse while ``size ** count`` is within its sparse limit, else it is
+    made dense and the span is the Chernoff truncation window (:func:`self_convolve_bounds`)."""
+    if count > 1 and isinstance(pmf, pld_pmf.SparsePLDPmf) and pmf.size ** min(count, 64) <= _MAX_SPARSE:
+        return pmf.size**count
+    probs = dense_parts(pmf)[1]
+    if count == 1:
+        return int(probs.size)
+    lower, upper = self_convolve_bounds(probs, count, tail_mass)
+    return upper - lower + 1

@@ -75,23 +75,48 @@ def _dense(pmf: pld_pmf.PLDPmf) -> tuple[np.ndarray, np.ndarray, float]:
     return np.arange(lower, lower + probs.size), probs, float(dense._infinity_mass)  # noqa: SLF001
 
 
+def _gaussian_loss(noise: float, sensitivity: float, sampling_prob: float, remove: bool):
+    kinds = privacy_loss_mechanism.AdjacencyType
+    return privacy_loss_mechanism.GaussianPrivacyLoss(
+        noise, sensitivity=sensitivity, sampling_prob=sampling_prob,
+        adjacency_type=kinds.REMOVE if remove else kinds.ADD,
+    )
+
+
+def gaussian_loss_width(noise: float, sensitivity: float, sampling_prob: float = 1.0) -> float:
+    """The widest loss range of :func:`gaussian_pld`'s two directions: what its grid must span."""
+    widest = 0.0
+    for remove in (True, False) if sampling_prob < 1 else (True,):
+        bounds = _gaussian_loss(noise, sensitivity, sampling_prob, remove).connect_dots_bounds()
+        widest = max(widest, bounds.epsilon_upper - bounds.epsilon_lower)
+    return widest
+
+
 def _gaussian_pmf(
     noise: float, sensitivity: float, sampling_prob: float, remove: bool, interval: float
 ) -> pld_pmf.PLDPmf:
     """One direction of dp_accounting's pessimistic connect-the-dots PMF of a (Poisson-subsampled) Gaussian,
-    as ``privacy_loss_distribution.from_gaussian_mechanism`` builds it (same loss, tails and grid), but with
-    the hockey-stick divergence evaluated on the whole epsilon grid at once.
+    as ``privacy_loss_distribution.from_gaussian_mechanism`` builds it (same loss, tails and grid), from the
+    hockey-stick curve of :func:`_gaussian_deltas`: the same PMF, point for point."""
+    lower, upper, deltas = _gaussian_deltas(noise, sensitivity, sampling_prob, remove, interval)
+    return connect_dots_pmf(interval, lower, upper, deltas)
+
+
+def _gaussian_deltas(
+    noise: float, sensitivity: float, sampling_prob: float, remove: bool, interval: float
+) -> tuple[int, int, np.ndarray]:
+    """``(lower, upper, deltas)``: one direction's hockey-stick divergence at every loss ``k * interval``,
+    ``lower <= k <= upper``, equal to the bit to dp_accounting's ``get_delta_for_epsilon`` on that grid.
 
     dp_accounting inverts the privacy loss point by point in Python; the grid has ``range / interval``
     points, 10^5 to 10^6 at the low noise of a large budget, where that loop takes seconds. The
     inverse is closed-form (``x = -s/2 - sd^2 l / s`` before subsampling, ``l = log(1 + (e^eps - 1)/q)`` for
-    remove and ``-log(1 + (e^-eps - 1)/q)`` for add), so it vectorises exactly.
+    remove and ``-log(1 + (e^-eps - 1)/q)`` for add), so it vectorises; it is evaluated with dp_accounting's
+    float operations in its order, because the connect-the-dots PMF divides differences of deltas by
+    ``e^interval - 1``: an ulp of delta moves a probability by ``1e4`` ulp at the default grid, and epsilon
+    with it, in either direction.
     """
-    kinds = privacy_loss_mechanism.AdjacencyType
-    adjacency = kinds.REMOVE if remove else kinds.ADD
-    loss = privacy_loss_mechanism.GaussianPrivacyLoss(
-        noise, sensitivity=sensitivity, sampling_prob=sampling_prob, adjacency_type=adjacency
-    )
+    loss = _gaussian_loss(noise, sensitivity, sampling_prob, remove)
     bounds = loss.connect_dots_bounds()
     lower = math.floor(bounds.epsilon_lower / interval)
     upper = math.ceil(bounds.epsilon_upper / interval)
@@ -100,22 +125,31 @@ def _gaussian_pmf(
     deltas = np.zeros_like(eps)
     if q == 1:
         inside = np.ones_like(eps, dtype=bool)
-        unsampled = eps if remove else -eps
+        unsampled = eps  # dp_accounting inverts either direction's own loss without subsampling
     else:
-        # log(a e^b + c) with a = 1/q, c = 1 - 1/q < 0, b = +-eps, as dp_accounting computes it (log_sub).
+        # The unsampled loss log(a e^b + c), a = 1/q, c = 1 - 1/q < 0, b = +-eps, in dp_accounting's order of
+        # float operations (common.log_a_times_exp_b_plus_c and its _log_sub).
+        a, c = 1 / q, 1 - 1 / q
         b = eps if remove else -eps
         with np.errstate(divide="ignore", invalid="ignore"):
-            shifted = b - math.log(q)
-            unsampled = shifted + np.log1p(-np.exp(math.log(1 / q - 1) - shifted))
+            d = b + np.log(a)
+            unsampled = d + np.log1p(-np.exp(np.log(-c) - d))
+        unsampled[b == 0] = np.log(a + c)
         inside = eps > math.log1p(-q) if remove else eps < -math.log1p(-q)
         if remove:
             deltas[~inside] = -np.expm1(eps[~inside])
         unsampled = unsampled if remove else -unsampled
-    x = -0.5 * s - unsampled[inside] * noise**2 / s + (0.0 if remove else s)
+        # dp_accounting takes a loss within math.isclose of the sampled loss's end as that end itself.
+        end = math.log(1 - q) if remove else -math.log(1 - q)
+        at_end = np.abs(eps - end) <= 1e-9 * np.maximum(np.abs(eps), abs(end))
+        unsampled[at_end] = -math.inf if remove else math.inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = -0.5 * s - unsampled[inside] * (noise**2) / s
+    if not remove:
+        x = s + x
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         deltas[inside] = loss.mu_upper_cdf(x) - np.exp(eps[inside] + loss.mu_lower_log_cdf(x))
-    deltas = np.clip(deltas, 0, 1)
-    return connect_dots_pmf(interval, lower, upper, deltas)
+    return lower, upper, np.clip(deltas, 0, 1)
 
 
 def gaussian_pld(
