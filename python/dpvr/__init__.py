@@ -32,7 +32,8 @@ _LAZY = {
     **dict.fromkeys(("Accountant", "PrivacyReport", "account", "calibrate"), "dpvr.privacy"),
     "audit": "dpvr.audit",
     **dict.fromkeys(
-        ("PrivateTrainer", "TokenLoss", "fix", "make_private", "pad_collate", "recordwise", "validate"),
+        ("PrivateTrainer", "TokenLoss", "fix", "make_private", "make_private_trainer", "pad_collate",
+         "recordwise", "validate"),
         "dpvr.trainer",
     ),
 }
