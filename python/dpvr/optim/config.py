@@ -89,6 +89,18 @@ class PrivacyConfig:
         if size is not None and not (whole and size >= 1):
             raise ValueError(f"public_dataset_size: must be a whole number >= 1, got {size!r}")
 
+    def require_replace_one(self, name: str) -> None:
+        """Refuses ``neighbouring="add-remove"`` for algorithm ``name``, whose batch sizes, sampling rates and
+        divisors read the size of the data, which add/remove adjacency makes private (a neighbour's one
+        record more would change the shape of every release). Under replace-one, the papers' relation and
+        the default, the size is public by definition."""
+        if self.neighbouring not in (None, REPLACE_ONE):
+            raise ValueError(
+                f"privacy: {name} is accounted under neighbouring='replace-one' only, got "
+                f"neighbouring={self.neighbouring!r}: its sampling rates and divisors read the size of the "
+                "data, which add/remove adjacency makes private"
+            )
+
     def dataset_size(self, records: int, *, default: str, sampling: str | None = None) -> tuple[str, int]:
         """The neighbouring relation in force and the dataset size every release's shape reads, for a run
         over ``records`` records whose plan defaults to the relation ``default`` (for ``sampling``).

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..privacy import events
-from ..privacy.relations import REPLACE_ONE
 from ..problems import MinimaxProblem
 from ..problems.minimax import YSensitivity
 from .base import PrivateAlgorithm
@@ -192,19 +191,6 @@ class _WithY(nn.Module):
         return torch.cat([self.model(inputs), self.y(inputs)], dim=1)
 
 
-def _replace_one_only(privacy: PrivacyConfig, name: str) -> None:
-    """Refuses ``privacy.neighbouring="add-remove"``: every batch size, sampling rate and divisor of
-    DP-SGDA and PrivateDiff is read from the size of the data, which add/remove adjacency makes private (a
-    neighbour's one record more would change the shape of every release). Under replace-one, the papers'
-    relation and the default, the size is public by definition."""
-    if privacy.neighbouring not in (None, REPLACE_ONE):
-        raise ValueError(
-            f"privacy: {name} is accounted under neighbouring='replace-one' only, got "
-            f"neighbouring={privacy.neighbouring!r}: its sampling rates and divisors read the size of the "
-            "data, which add/remove adjacency makes private"
-        )
-
-
 class MinimaxAlgorithm(PrivateAlgorithm):
     """What DP-SGDA and PrivateDiff share: data, sampling, ``y`` and its noisy clipped ascent step."""
 
@@ -227,7 +213,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
     ) -> None:
         """``settings``: what the run's binding records (the subclass's arguments, as given); ``units``: for
         ``shares="auto"``, the public radius or sensitivity each stream's noise multiplier is relative to."""
-        _replace_one_only(privacy, self.name)
+        privacy.require_replace_one(self.name)
         if lr_y is not None and not lr_y > 0:
             raise ValueError(f"lr_y: must be > 0, got {lr_y}")
         d = problem.y_dim

@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from ..privacy import events
-from ..privacy.relations import REPLACE_ONE
 from ..problems import (
     Divergence,
     LossFn,
@@ -39,19 +38,6 @@ from .estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_
 from .gradients import ClippedGradients, accumulators, check_loss
 from .records import Batch, Records, as_records
 from .sampling import BatchSampler
-
-
-def _replace_one_only(privacy: PrivacyConfig, name: str) -> None:
-    """Refuses ``privacy.neighbouring="add-remove"``: every batch size, sampling rate and divisor of
-    the SPIDER algorithms is read from the size of the data, which add/remove adjacency makes private (a
-    neighbour's one record more would change the shape of every release). Under replace-one, the papers'
-    relation and the default, the size is public by definition."""
-    if privacy.neighbouring not in (None, REPLACE_ONE):
-        raise ValueError(
-            f"privacy: {name} is accounted under neighbouring='replace-one' only, got "
-            f"neighbouring={privacy.neighbouring!r}: its sampling rates and divisors read the size of the "
-            "data, which add/remove adjacency makes private"
-        )
 
 
 class _Spider(PrivateAlgorithm):
@@ -71,7 +57,7 @@ class _Spider(PrivateAlgorithm):
         runtime: RuntimeConfig,
         settings: Mapping[str, Any],
     ) -> None:
-        _replace_one_only(privacy, self.name)
+        privacy.require_replace_one(self.name)
         check_loss(model, loss_fn, *records.probe(1))
         super().__init__(
             model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
