@@ -129,8 +129,8 @@ def _check_against_stock(z: float, q: float, t: int) -> list[float]:
     for delta in DELTAS:
         ours, theirs = _dpvr(z, q, t).epsilon(delta), stock.get_epsilon(delta)
         assert ours >= theirs  # never below stock: on its grid the same PMFs; a coarser grid is pessimistic
-        if grid == PLD_DISCRETIZATION:
-            assert ours == theirs
+        if grid == PLD_DISCRETIZATION:  # equal PMFs: equal to the last few ulp of epsilon_for_delta
+            assert ours <= theirs * (1 + 1e-12) + 1e-15
         deviations.append(ours / theirs - 1 if theirs else 0.0)
     return deviations
 
@@ -139,7 +139,7 @@ def _check_against_stock(z: float, q: float, t: int) -> list[float]:
 def test_accountant_is_stock_where_stock_fits_in_memory(z, q, t):
     """Sparse, low-rate, long runs (the issue's 0.0242 against stock's 0.0176 at sigma 2, q 1e-4, T 1e4) are
     priced on stock's grid, exactly as stock prices them."""
-    assert _check_against_stock(z, q, t) == [0.0, 0.0]
+    assert all(0 <= d <= 1e-12 for d in _check_against_stock(z, q, t))
 
 
 def test_the_issues_worst_case_is_stocks_epsilon():
@@ -210,8 +210,11 @@ def test_no_pld_epsilon_where_pld_cannot_price_or_is_not_asked():
 @pytest.mark.slow
 @pytest.mark.parametrize(("z", "q", "t"), GRID)
 def test_rdp_reports_show_pld_on_the_whole_grid(z, q, t):
-    """The shown PLD epsilon is the PLD accountant's, and never above RDP's."""
+    """The shown PLD epsilon is the PLD accountant's. It is below RDP's except where epsilon is a few dozen
+    grid steps and the run long (sigma 10, q 1e-4, T 1e4: 0.0065 against RDP's 0.0040), where the grid's
+    pessimism, paid at every step, dominates: the report shows that too."""
     for delta in DELTAS:
         rdp, shown, pld = _rdp_against_pld(z, q, t, delta)
         assert shown == pld
-        assert pld <= rdp
+        if pld > rdp:
+            assert pld < 100 * PLD_DISCRETIZATION and t >= 1000

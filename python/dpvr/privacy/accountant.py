@@ -654,6 +654,9 @@ __all__ = [
 #: The most points a privacy-loss distribution may hold on its grid, one release's or a composition's: 8 MB
 #: per direction, and FFT compositions of a few times that.
 _MAX_PLD_POINTS = 1 << 20
+#: A release's PMF may span this many times as many points while it is built, before composition truncates
+#: its tails (dp_accounting's tail mass 1e-15) to at most ``_MAX_PLD_POINTS``.
+_BUILD_FACTOR = 4
 #: What the caches of PLDs may hold in all, in grid points.
 _CACHED_POINTS = 1 << 24
 _TAIL_MASS = 1e-15  # dp_accounting's tail truncation in a self-composition (its default)
@@ -808,7 +811,7 @@ class _PLDCache:
             return self._items[key][0]
         value = build()
         pld = self._pld_of(value)
-        size = 0 if pld is None else _points(pld)
+        size = 0 if pld is None else max(pld_numerics.dense_parts(p)[1].size for p in pld_numerics.pmfs(pld))
         self._items[key] = (value, size)
         self._held += size
         while self._held > self._budget and len(self._items) > 1:
@@ -833,8 +836,8 @@ def _compose(groups: tuple[tuple[str, int], ...], neighbouring: str, interval: f
         grid = interval
         events = [event_from_dict(json.loads(key)) for key, _ in groups]
         width = max((_loss_width(event, neighbouring) for event in events), default=0.0)
-        if width > _MAX_PLD_POINTS * grid:
-            grid *= 2.0 ** math.ceil(math.log2(width / (_MAX_PLD_POINTS * grid)))
+        if width > _BUILD_FACTOR * _MAX_PLD_POINTS * grid:  # a release's PMF is built before truncation
+            grid *= 2.0 ** math.ceil(math.log2(width / (_BUILD_FACTOR * _MAX_PLD_POINTS * grid)))
         while True:
             plds = [(_event_pld(key, neighbouring, grid), count) for key, count in groups]
             if any(pld is None for pld, _ in plds):

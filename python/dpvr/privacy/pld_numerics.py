@@ -6,7 +6,8 @@ every point, then a list), the Chernoff truncation bounds of a self-composition 
 and epsilon at a delta (a loop over the losses from the top). Each function here computes what its
 dp_accounting counterpart computes, with the same formulas in the same order of float operations where that
 order is sequential (``np.cumsum`` adds left to right, as the loop does): the PMFs are equal, the bounds
-equal, and epsilon equal to the last few ulp (``np.exp`` against ``math.exp``); ``tests`` check each
+equal, and epsilon equal to the last few ulp (``np.exp`` against ``math.exp``), rounded so that it is never
+below dp_accounting's; ``tests`` check each
 against dp_accounting. They read dp_accounting's dense PMF fields (``_probs``, ``_lower_loss``,
 ``_infinity_mass``), for which it has no public accessor, and build its public ``DensePLDPmf``.
 
@@ -26,6 +27,7 @@ from scipy import fft
 # dp_accounting's limits: PMFs of at most this many points are sparse; deltas may rise by this much.
 _MAX_SPARSE = pld_pmf._MAX_PMF_SPARSE_SIZE  # noqa: SLF001
 _DELTA_DIFF_TOLERANCE = pld_pmf._DELTA_DIFF_TOLERANCE  # noqa: SLF001
+_EXP_DOWN = 1 - 2.0**-50
 
 
 def connect_dots_pmf(interval: float, lower: int, upper: int, deltas: np.ndarray) -> pld_pmf.PLDPmf:
@@ -115,7 +117,9 @@ def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
     losses = np.cumsum(np.concatenate(([top], np.full(len(probs) - 1, -step))))
     # The masses before each loss is taken (the loop's state when it tests that loss).
     upper = np.cumsum(np.concatenate(([infinity], probs)))
-    lower = np.cumsum(np.concatenate(([0.0], np.exp(-losses) * probs)))
+    # np.exp is within a few ulp of math.exp, either way: each factor is lowered by 4 ulp so that no term,
+    # hence (rounding being monotone) no partial sum, exceeds the loop's, and epsilon is never below its.
+    lower = np.cumsum(np.concatenate(([0.0], np.exp(-losses) * _EXP_DOWN * probs)))
     with np.errstate(divide="ignore", invalid="ignore"):
         level = np.log((upper[:-1] - delta) / lower[:-1])
         stop = (upper[:-1] > delta) & (lower[:-1] > 0) & (level >= losses)
@@ -152,13 +156,16 @@ def dense_parts(pmf: pld_pmf.PLDPmf) -> tuple[int, np.ndarray, float]:
 
 
 def composed_points(pmf: pld_pmf.PLDPmf, count: int, tail_mass: float) -> int:
-    """Grid points dp_accounting allocates for ``pmf`` self-composed ``count`` times with ``tail_mass``
+    """Grid points dp_accounting keeps of ``pmf`` self-composed ``count`` times with ``tail_mass``
     truncated: a sparse PMF stays sparse while ``size ** count`` is within its sparse limit, else it is
-    made dense and the span is the Chernoff truncation window (:func:`self_convolve_bounds`)."""
+    made dense and the span is the Chernoff truncation window (:func:`self_convolve_bounds`); one release
+    keeps what a composition's truncation of its tails leaves."""
     if count > 1 and isinstance(pmf, pld_pmf.SparsePLDPmf) and pmf.size ** min(count, 64) <= _MAX_SPARSE:
         return pmf.size**count
     probs = dense_parts(pmf)[1]
-    if count == 1:
-        return int(probs.size)
+    if count == 1:  # what composing it truncates to: a prefix and a suffix of mass at most tail_mass / 2 each
+        ends = (probs, probs[::-1])
+        cut = [int(np.searchsorted(np.cumsum(end), tail_mass / 2, side="right")) for end in ends]
+        return max(1, int(probs.size) - sum(cut))
     lower, upper = self_convolve_bounds(probs, count, tail_mass)
     return upper - lower + 1
