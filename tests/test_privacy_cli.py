@@ -331,3 +331,15 @@ def test_sampled_streams_keep_add_remove():
     ):
         args = _parse(line + " --delta 1e-5 --neighbouring add-remove --json")
         assert args.run(args) == 0
+
+
+def test_the_table_shows_what_the_other_accountant_would_report(capsys):
+    """Under RDP the table also prints PLD's epsilon for the same releases (the choice visible), equal to the
+    report's; under PLD it prints the loss grid the epsilon was computed on."""
+    rdp = _run(capsys, DP_SGD + " --accountant rdp")
+    shown = re.search(r"the PLD accountant reports epsilon = ([0-9.e+-]+)", rdp)
+    assert shown is not None
+    pld = _json(capsys, DP_SGD + " --accountant pld")
+    assert float(shown.group(1)) == pytest.approx(pld["epsilon"], rel=1e-5)
+    assert float(shown.group(1)) < _json(capsys, DP_SGD + " --accountant rdp")["epsilon"]
+    assert re.search(r"PLD loss grid: [0-9.e-]+", _run(capsys, DP_SGD + " --accountant pld"))

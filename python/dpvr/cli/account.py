@@ -101,6 +101,10 @@ def _print_table(title: str, report: PrivacyReport, rows: list[dict]) -> None:
     print(
         f"{title} at delta = {report.delta:g} ({report.accountant} accountant, {report.neighbouring}{order})"
     )
+    if report.pld_epsilon is not None:  # the choice of accountant, visible
+        print(f"  the PLD accountant reports epsilon = {report.pld_epsilon:g} for the same releases")
+    if report.pld_grid is not None:
+        print(f"  PLD loss grid: {report.pld_grid:g}")
     print()
     sigma = any("sigma" in r for r in rows)
     print(
