@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import pickle
 import re
 import warnings
 from collections.abc import Callable
@@ -174,10 +175,16 @@ class PrivateHFTrainer:
     def load_checkpoint(self, path: str) -> None:
         """Restores a :meth:`save_checkpoint` file (dpvr's resume: the releases made after it are charged
         from the run ledger) and the scheduler saved beside it."""
+        # The side file first (plain tensors and numbers only): a missing or unreadable one changes nothing.
+        side_path = path[: -len(".dpvr")] + ".scheduler.pt"
+        try:
+            side = torch.load(side_path, weights_only=True)
+            scheduler, history = side["scheduler"], list(side["log_history"])
+        except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
+            raise ValueError(f"{side_path}: not the scheduler state saved beside {path} ({err!r})") from None
         self.private.load_checkpoint(path)
-        side = torch.load(path[: -len(".dpvr")] + ".scheduler.pt", weights_only=False)
-        self.lr_scheduler.load_state_dict(side["scheduler"])
-        self.trainer.state.log_history = list(side["log_history"])
+        self.lr_scheduler.load_state_dict(scheduler)
+        self.trainer.state.log_history = history
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, float]:
         """Runs the planned steps (from a checkpoint: a path, or ``True`` for the newest in ``output_dir``),
