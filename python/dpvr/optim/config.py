@@ -101,7 +101,9 @@ class PrivacyConfig:
                 "data, which add/remove adjacency makes private"
             )
 
-    def dataset_size(self, records: int, *, default: str, sampling: str | None = None) -> tuple[str, int]:
+    def relation_and_size(
+        self, records: int, *, default: str, sampling: str | None = None
+    ) -> tuple[str, int]:
         """The neighbouring relation in force and the dataset size every release's shape reads, for a run
         over ``records`` records whose plan defaults to the relation ``default`` (for ``sampling``).
 

@@ -37,7 +37,7 @@ class DPSGD(PrivateAlgorithm):
     calibrated to them read the public size ``N = privacy.public_dataset_size`` (required for add/remove),
     never ``len(inputs)``; a full batch (DP-GD), whose mean divides by ``n``, is refused. Without a public
     size, Poisson sampling is accounted under replace-one, where ``n`` is public by definition
-    (:meth:`dpvr.optim.PrivacyConfig.dataset_size`). Opacus and most libraries take the rate from
+    (:meth:`dpvr.optim.PrivacyConfig.relation_and_size`). Opacus and most libraries take the rate from
     ``len(dataset)`` under add/remove, which makes every release's noise scale depend on the private size.
 
     ``sampling="cyclic"`` is Algorithm 1 of Kong & Ribero: disjoint batches in a fixed order,
@@ -144,7 +144,7 @@ class DPSGD(PrivateAlgorithm):
         # Every quantity that shapes a release reads the public size: the data's own under replace-one, the
         # stated one under add/remove (where len(records) is private).
         n = len(records)
-        neighbouring, public = privacy.dataset_size(
+        neighbouring, public = privacy.relation_and_size(
             n, default=events.DPSGDPlan.default_neighbouring(sampling), sampling=sampling
         )
         self.last_iterate_only = sampling == "cyclic"
