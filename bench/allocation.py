@@ -21,12 +21,12 @@ import torch
 from scipy import stats
 
 from dpvr.data import PublicScaling, load, split_clients, split_public
-from dpvr.experiments import auc
 from dpvr.objectives import AUCMargin
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import DIFF2, PrivacyConfig, PrivateDiff, RuntimeConfig
 from dpvr.privacy import calibrate, events
 from dpvr.privacy.allocation import stream_dimensions
+from dpvr_lab.experiments import auc
 
 DELTA = 1e-5
 

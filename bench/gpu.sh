@@ -101,6 +101,7 @@ grep -c -i "warning" "$LOGS/build.log" | xargs printf 'compiler warnings: %s\n'
 echo "built in $((SECONDS - build_start))s"
 rm -rf "$BUILD/pkg" && mkdir -p "$BUILD/pkg"
 cp -r python/dpvr "$BUILD/pkg/"
+cp -r lab/dpvr_lab "$BUILD/pkg/"  # the benchmarks (the separate distribution dpvr-lab), beside the library
 rm -f "$BUILD"/pkg/dpvr/_C*.so
 cp "$BUILD"/_C*.so "$BUILD/pkg/dpvr/"
 # The staged package's metadata (dpvr reads its version from it), as an installation would write it.
@@ -147,7 +148,7 @@ else
   cli=("$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))')
   step "benchmark: the kernels (dpvr bench kernels --device cuda)"
   if [ "$DRY" = 1 ]; then
-    run "kernel benchmark (import)" 60 "$PY" -c "from dpvr.bench import cuda_kernels; print(cuda_kernels.markdown([]))"
+    run "kernel benchmark (import)" 60 "$PY" -c "from dpvr_lab.bench import cuda_kernels; print(cuda_kernels.markdown([]))"
   else
     run "kernel benchmark" 120 "${cli[@]}" bench kernels --device cuda --json "$OUT_DIR/bench_kernels_cuda.json"
   fi

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from dpvr.bench import step
 from dpvr.results import Record, format_table
+from dpvr_lab.bench import step
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dpvr.bench import REAL_CASES, step
+from dpvr_lab.bench import REAL_CASES, step
 
 
 def profile_method(fn, rounds: int, on_cuda: bool) -> tuple[float, float, float, list[tuple[str, float]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpvr.bench import step
+from dpvr_lab.bench import step
 
 DPVR = ["dpvr-make-private-dp-sgd", "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost", "dpvr-diff2-ghost-recompute",
         "dpvr-fresh-diff-ghost"]
@@ -45,8 +45,8 @@ def test_opacus_hooks_steps_the_gpt2_case() -> None:
 
 
 def test_the_sequence_exponents_are_fitted_per_gpt2_size() -> None:
-    from dpvr.bench import SCALE_CASES, SCALE_DEFAULT
     from dpvr.results import Record
+    from dpvr_lab.bench import SCALE_CASES, SCALE_DEFAULT
 
     assert {"gpt2-1e8-t128", "gpt2-1e8-t512"} <= set(SCALE_CASES) - set(SCALE_DEFAULT)
     records = [Record(method="m", dataset=f"gpt2-14M-seq{t}/B=8/cpu",
@@ -88,7 +88,7 @@ def test_the_diff2_round_reuses_its_recording() -> None:
 def test_peak_memory_counts_a_steps_own_allocations() -> None:
     import torch
 
-    from dpvr.bench.timing import peak_bytes
+    from dpvr_lab.bench.timing import peak_bytes
 
     resident = torch.ones(1 << 20)
     assert peak_bytes(lambda: resident.sum()) < 1 << 16
@@ -111,7 +111,7 @@ def test_ghost_steps_hold_little_beyond_a_non_private_step() -> None:
     output gradients once its per-sample matrices are formed (before the second point is recorded)."""
     import warnings
 
-    from dpvr.bench.timing import peak_bytes
+    from dpvr_lab.bench.timing import peak_bytes
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,7 +126,7 @@ def test_ghost_steps_hold_little_beyond_a_non_private_step() -> None:
 
 @pytest.mark.slow  # a benchmark run
 def test_the_memory_bench_times_each_method_at_each_physical_batch() -> None:
-    from dpvr.bench import memory
+    from dpvr_lab.bench import memory
 
     records = memory.run(case="mlp", logical=512, physicals=(128, 512), repeats=1)
     assert {r.metrics.get("physical") for r in records if "skipped" not in r.metrics} == {128, 512}
@@ -138,7 +138,7 @@ def test_the_memory_bench_times_each_method_at_each_physical_batch() -> None:
 
 @pytest.mark.slow  # spawns two processes
 def test_the_parallel_bench_times_one_and_two_processes() -> None:
-    from dpvr.bench import parallel
+    from dpvr_lab.bench import parallel
 
     one, two = parallel.run(case="mlp", batch=64, steps=2)
     assert one.metrics["ms"] > 0 and two.metrics["ms"] > 0
@@ -180,7 +180,7 @@ def test_the_real_cases_have_the_sizes_users_train() -> None:
     and each case's batch and sequence length as the issue names them."""
     import torch
 
-    from dpvr.bench import REAL_CASES
+    from dpvr_lab.bench import REAL_CASES
 
     sizes = {}
     for kind in ("gpt2-small", "resnet18", "bert-base"):
@@ -214,7 +214,7 @@ def test_each_real_case_runs_reduced_on_the_cpu(autocast) -> None:
     the forward runs in bfloat16 while dpvr's sums stay float32."""
     import torch
 
-    from dpvr.bench import REAL_CASES
+    from dpvr_lab.bench import REAL_CASES
 
     dtype = torch.bfloat16 if autocast else None
     cases = ["gpt2-small-b16", "resnet18-b256", "bert-base-b32"]
@@ -262,7 +262,7 @@ def test_make_private_dp_sgd_steps_without_host_syncs_on_cuda() -> None:
     from torch.utils.data import TensorDataset
 
     from dpvr import make_private
-    from dpvr.bench.timing import host_syncs
+    from dpvr_lab.bench.timing import host_syncs
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

@@ -1,4 +1,4 @@
-"""dpvr.experiments.compare and ``dpvr compare``: seeds paired, p-values equal to scipy's paired t-test."""
+"""dpvr_lab.experiments.compare, ``dpvr compare``: seeds paired, p-values equal to scipy's paired t-test."""
 
 import json
 import math
@@ -8,8 +8,8 @@ import pytest
 from scipy import stats
 
 from dpvr.cli import main
-from dpvr.experiments import compare
 from dpvr.results import Record, document, write_json
+from dpvr_lab.experiments import compare
 
 
 def _records(method_values, baseline_values, dataset="d", epsilon=1.0):

@@ -11,9 +11,9 @@ import torch
 import dpvr
 from dpvr.cli import main
 from dpvr.cli.experiment import parse
-from dpvr.experiments import diff2
-from dpvr.experiments.common import metric, one_sided_ttest
 from dpvr.optim import DIFF2, PrivacyConfig, RuntimeConfig
+from dpvr_lab.experiments import diff2
+from dpvr_lab.experiments.common import metric, one_sided_ttest
 
 RECORD_KEYS = {"method", "dataset", "epsilon", "delta", "seed", "spent_epsilon", "metrics"}
 

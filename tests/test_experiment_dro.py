@@ -3,7 +3,7 @@ import json
 import pytest
 
 from dpvr.cli import main
-from dpvr.experiments import dro
+from dpvr_lab.experiments import dro
 
 PRIVATE = {"DP-SGDA", "PrivateDiff", "DP-SGD-dual", "Double-SPIDER", "Recursive-SPIDER"}
 

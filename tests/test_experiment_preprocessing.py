@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpvr.data import Dataset, load
-from dpvr.experiments import auc, diff2, dro, last_iterate, phased, td, transfer, wgan
+from dpvr_lab.experiments import auc, diff2, dro, last_iterate, phased, td, transfer, wgan
 from neighbours import one_record_moved
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from dpvr.cli.experiment import parse
-from dpvr.experiments import phased
-from dpvr.experiments.common import DIAGNOSTIC_NOTE, diagnostic, metric, record_metrics
+from dpvr_lab.experiments import phased
+from dpvr_lab.experiments.common import DIAGNOSTIC_NOTE, diagnostic, metric, record_metrics
 
 
 def test_record_metrics_keep_training_set_metrics_apart():

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import dpvr
-from dpvr.experiments import regime
-from dpvr.experiments.regime import Problem, dphi, phi, run_diff2, run_dpgd
 from dpvr.optim import DIFF2, DPGD, RuntimeConfig
+from dpvr_lab.experiments import regime
+from dpvr_lab.experiments.regime import Problem, dphi, phi, run_diff2, run_dpgd
 
 
 def test_phi_constants_are_the_suprema():

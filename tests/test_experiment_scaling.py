@@ -13,7 +13,7 @@ pytest.importorskip("mnist1d")
 from dpvr.cli.experiment import parse  # noqa: E402
 from dpvr.data import load, load_mnist1d  # noqa: E402
 from dpvr.data import mnist1d as m1d  # noqa: E402
-from dpvr.experiments import scaling  # noqa: E402
+from dpvr_lab.experiments import scaling  # noqa: E402
 
 
 @pytest.fixture

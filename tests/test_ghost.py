@@ -508,7 +508,7 @@ def test_recordings_are_reused_only_for_the_same_data_point_and_state() -> None:
 
 @pytest.mark.slow
 def test_step_benchmark_records() -> None:
-    from dpvr.bench import step
+    from dpvr_lab.bench import step
 
     records = step.run(cases=["mlp"], quick=True, repeats=1)
     methods = [r.method for r in records]

@@ -251,7 +251,7 @@ def test_differences_at_identical_points_are_exactly_zero(backend) -> None:
 
 def test_the_step_benchmarks_gpt2_is_all_ghost() -> None:
     pytest.importorskip("transformers")
-    from dpvr.bench.step import Decoder
+    from dpvr_lab.bench.step import Decoder
 
     model = Decoder(vocab=50, width=8, layers=1, length=8, heads=2)
     assert GhostClipper(model, sequence_loss).mode == "ghost"
@@ -396,7 +396,7 @@ def test_choices_from_the_sizes_ignore_the_steps_left_out() -> None:
 
 
 def test_repeated_difference_rounds_on_a_classifier_from_the_last_position() -> None:
-    from dpvr.bench import step
+    from dpvr_lab.bench import step
 
     case = step.make_case("gpt2", batch=4)
     for options in ({}, {"reuse_recording": True}):

@@ -1,7 +1,8 @@
 """DESIGN.md's layer rule, executed: the import contracts of ``[tool.importlinter]`` in pyproject.toml.
 
 Dependencies point down the layers (ops, privacy, problems, grads, optim, objectives, ...), never up, and
-``privacy`` imports no torch. The contracts include imports under ``TYPE_CHECKING``: a type is a dependency.
+``privacy`` imports no torch, and the library imports nothing of its examples (``dpvr_lab``, the separate
+distribution in ``lab/``). The contracts include imports under ``TYPE_CHECKING``: a type is a dependency.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ def broken_part(result: subprocess.CompletedProcess[str]) -> str:
 def test_the_package_keeps_its_import_contracts():
     result = lint_imports(PYPROJECT, ROOT)
     assert result.returncode == 0, "dpvr breaks DESIGN.md's layer rule:\n" + broken_part(result)
-    assert "Contracts: 2 kept, 0 broken." in result.stdout
+    assert "Contracts: 3 kept, 0 broken." in result.stdout
 
 
-def test_the_contracts_catch_an_upward_import_and_torch_in_privacy(tmp_path: Path):
+def test_the_contracts_catch_an_upward_import_torch_in_privacy_and_the_lab(tmp_path: Path):
     """The same contracts on a copy of the package renamed ``layered`` (so that the installed ``dpvr``
-    cannot shadow it), with the cycle this layer split removed put back and a torch import in privacy."""
+    cannot shadow it), with the cycle this layer split removed put back, a torch import in privacy and an
+    import of the examples' package in the command line."""
     text = PYPROJECT.read_text(encoding="utf-8")
     config = re.search(r"^\[tool\.importlinter\]$.*?(?=^\[tool\.(?!importlinter))", text, re.M | re.S)
     assert config is not None, "pyproject.toml has no [tool.importlinter] section"
@@ -51,9 +53,11 @@ def test_the_contracts_catch_an_upward_import_and_torch_in_privacy(tmp_path: Pat
     shutil.copytree(ROOT / "python" / "dpvr", copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "optim" / "_upward.py").write_text("from ..objectives import KL\n", encoding="utf-8")
     (copy / "privacy" / "_model.py").write_text("from torch import nn\n", encoding="utf-8")
+    (copy / "cli" / "_lab_import.py").write_text("from dpvr_lab import experiments\n", encoding="utf-8")
 
     result = lint_imports(tmp_path / "pyproject.toml", tmp_path)
     report = broken_part(result)
     assert result.returncode != 0, report
     assert "layered.optim._upward -> layered.objectives (l.1)" in report
     assert "layered.privacy._model -> torch (l.1)" in report
+    assert "layered.cli._lab_import -> dpvr_lab (l.1)" in report

@@ -14,7 +14,7 @@ import torch
 
 from dpvr.cli import main
 from dpvr.data import DATASET_NAMES, MNIST_CLASSES, MNIST_RANGE, Dataset, load
-from dpvr.experiments import auc, dro
+from dpvr_lab.experiments import auc, dro
 from neighbours import one_record_moved
 
 

@@ -122,8 +122,8 @@ def test_result_files_are_written_whole(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from dpvr.experiments.common import write_csv
     from dpvr.results import Record, write_figure, write_json
+    from dpvr_lab.experiments.common import write_csv
 
     write_json(tmp_path / "out" / "r.json", {"spent": np.float64(0.5)})
     write_csv(tmp_path / "out" / "r.csv", [Record("DP-SGD", "adult", metrics={"test": {"auc": 0.75}})])

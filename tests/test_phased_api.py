@@ -210,7 +210,7 @@ def test_paper_mu_and_the_classic_ratio_follow_the_formulas():
 
 @pytest.mark.slow  # an experiment end to end
 def test_experiment_runs_on_a_small_grid(tmp_path, monkeypatch):
-    from dpvr.experiments import phased
+    from dpvr_lab.experiments import phased
 
     monkeypatch.setattr(phased, "_SIZES", {name: ((64, 128), ()) for name in phased._SIZES})
     records = phased.run_grid(quick=True, epsilons=[1.0], seeds=1, out_dir=tmp_path, progress=False)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dpvr.cli import main
-from dpvr.experiments import transfer
+from dpvr_lab.experiments import transfer
 
 
 def test_public_and_private_parts_are_disjoint():

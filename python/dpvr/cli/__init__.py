@@ -22,9 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ._lab import LabMissing
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError, LabMissing) as err:
         print(f"dpvr {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench import CASES, REAL_CASES, SCALE_CASES, SCALE_DEFAULT
+from ._lab import available, lab
 from .flags import with_default
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    # Without dpvr-lab any case name parses, so that running it says what to install.
+    cases = lab("bench", "bench") if available() else None
+    case_names = [*cases.CASES, *cases.SCALE_CASES, *cases.REAL_CASES, "all"] if cases else None
     p = commands.add_parser(
         "bench",
         help="benchmark the kernels, a full DP step, or a step's memory against the physical batch",
@@ -32,7 +35,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--case",
-        choices=[*CASES, *SCALE_CASES, *REAL_CASES, "all"],
+        choices=case_names,
         default="all",
         help=with_default(
             "step: the model (an MLP, a small CNN, a small transformer encoder, an LSTM classifier, a small "
@@ -76,8 +79,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import host
     from ..results import document, format_table, write_json
+
+    bench = lab("bench", "bench")
+    CASES, REAL_CASES, SCALE_DEFAULT = bench.CASES, bench.REAL_CASES, bench.SCALE_DEFAULT
+    host = lab("bench.host", "bench")
 
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and args.what == "kernels":
         return _run_cuda(args)
     if args.what == "step":
-        from ..bench import step
+        step = lab("bench.step", "bench")
 
         if args.scale and args.real:
             raise ValueError("--scale, --real: choose one set of cases")
@@ -118,13 +124,13 @@ def run(args: argparse.Namespace) -> int:
             print(format_table(["method", "time ~ T^a", "peak memory ~ T^b"],
                                [[m, a, b] for m, a, b in fits]))
     elif args.what == "parallel":
-        from ..bench import parallel
+        parallel = lab("bench.parallel", "bench")
 
         records = parallel.run(case="mlp" if args.case == "all" else args.case, steps=args.repeats)
         headers = ["case", "method", "ms", "x one process"]
         metrics = ["ms", "ratio_vs_one_process"]
     elif args.what == "memory":
-        from ..bench import memory
+        memory = lab("bench.memory", "bench")
 
         physicals = [args.logical // k for k in (8, 4, 2, 1) if args.logical % k == 0]
         records = memory.run(case="cnn" if args.case == "all" else args.case, logical=args.logical,
@@ -132,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         headers = ["case", "method", "ms", "peak MiB", "mem x logical", "note"]
         metrics = ["ms", "peak_mib", "memory_vs_logical", "skipped"]
     else:
-        from ..bench import kernels
+        kernels = lab("bench.kernels", "bench")
 
         records = kernels.run(quick=args.quick, repeats=args.repeats)
         headers = ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"]
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_cuda(args: argparse.Namespace) -> int:
-    from ..bench import cuda_kernels
+    cuda_kernels = lab("bench.cuda_kernels", "bench")
     from ..results import Record, document, write_json
 
     raw = cuda_kernels.run(min_seconds=0.05 if args.quick else 0.2)

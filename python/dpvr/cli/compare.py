@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ._lab import lab
 from .flags import with_default
 
 
@@ -29,7 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experiments import compare
+    compare = lab("experiments.compare", "compare")
 
     records = compare.load_records(args.files)
     cells = compare.compare(

@@ -1,4 +1,4 @@
-"""``dpvr experiment NAME ...``: the papers' experiments (see :mod:`dpvr.experiments`).
+"""``dpvr experiment NAME ...``: the papers' experiments (:mod:`dpvr_lab.experiments`, distribution dpvr-lab).
 
 The command is parsed in two stages so that ``dpvr`` starts without importing any experiment: this
 parser takes the experiment's name, then the experiment's own parser (the shared flags below plus its
@@ -11,8 +11,8 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from .. import experiments
 from ..results import write_json
+from ._lab import available, lab
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -21,14 +21,16 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="run a paper's experiment: table, CSV/JSON and PNG plots",
         description="Run a named experiment; 'dpvr experiment NAME --help' lists its flags.",
     )
-    p.add_argument("name", choices=sorted(experiments.EXPERIMENTS), help="the experiment")
+    # Without dpvr-lab any name parses, so that running it says what to install.
+    names = sorted(lab("experiments", "experiment").EXPERIMENTS) if available() else None
+    p.add_argument("name", choices=names, help="the experiment")
     p.add_argument("options", nargs=argparse.REMAINDER, help="the experiment's flags")
     p.set_defaults(run=run)
 
 
 def experiment_parser(name: str) -> argparse.ArgumentParser:
     """The parser of ``dpvr experiment NAME``: the shared flags and the experiment's own."""
-    module = experiments.get(name)
+    module = lab("experiments", "experiment").get(name)
     parser = argparse.ArgumentParser(
         prog=f"dpvr experiment {name}",
         description=module.__doc__,
@@ -55,7 +57,7 @@ def parse(name: str, options: Sequence[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     options = parse(args.name, args.options)
-    doc = experiments.get(args.name).run(options)
+    doc = lab("experiments", "experiment").get(args.name).run(options)
     if options.json:
         write_json(options.json, doc)
     return 0

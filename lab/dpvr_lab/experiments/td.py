@@ -39,10 +39,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..objectives import MSPBE, TransitionValues, ValueModel, semi_gradient_td_loss
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import DPSGD, DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
-from ..results import Record, document, format_table
+from dpvr.objectives import MSPBE, TransitionValues, ValueModel, semi_gradient_td_loss
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import DPSGD, DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.results import Record, document, format_table
+
 from .common import derive_seed, format_mean_std, plot_curves, progress, record_metrics, save
 
 NAME = "td"

@@ -8,7 +8,7 @@ included, without the start-up handshake and the final broadcast. The released i
 are checked to be identical. On a machine with fewer cores than P + 1 the processes share cores, so the
 distributed time includes that contention.
 
-    python -m dpvr.bench.distributed [--quick] [--json FILE]
+    python -m dpvr_lab.bench.distributed [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 import torch
 from torch import nn
 
-from ..distributed import launch
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import DIFF2, RuntimeConfig
-from ..privacy import PaperSigmas
-from ..results import Record, document, format_table, write_json
+from dpvr.distributed import launch
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import DIFF2, RuntimeConfig
+from dpvr.privacy import PaperSigmas
+from dpvr.results import Record, document, format_table, write_json
 
 CLIENTS = (2, 4, 8)
 WARMUP = 3
@@ -127,7 +127,7 @@ def table(records: list[Record]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m dpvr.bench.distributed", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m dpvr_lab.bench.distributed", description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()

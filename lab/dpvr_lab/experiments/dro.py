@@ -49,7 +49,7 @@ DP-SGDA, PrivateDiff and DP-SGD on the dual, on long-tailed data.
   KL-penalised objective ``||sum_i softmax_i(l / LAM) grad l_i||`` and the KL-penalised training
   objective at the last iterate, mean ± std over seeds; curves per epoch. The gradient norm and the
   objective are measured on the private training data without noise: diagnostics, not private
-  (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`). Each private record also keeps its noise
+  (``metrics["diagnostics"]``, :mod:`dpvr_lab.experiments.common`). Each private record also keeps its noise
   multipliers and, per stream, ``sqrt(d_s) z_s / b_s``: the expected norm of the noise on one release's
   batch mean per unit of clip radius, the largest norm the clipped signal can have (public quantities).
 - **Comparison.** Per dataset and epsilon the one-sided paired t-test (seeds share split, initialisation
@@ -72,12 +72,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import DIGITS_RANGE, MNIST_RANGE, Dataset, binarize, load, long_tail, subsample_to_ratio
-from ..data import train_test_split as split_train_test
-from ..objectives import PenalisedDRO, WithEta, divergence, dual_loss, indexed_targets, kl_compositional
-from ..objectives.dro import cross_entropy
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import (
+from dpvr.data import DIGITS_RANGE, MNIST_RANGE, Dataset, binarize, load, long_tail, subsample_to_ratio
+from dpvr.data import train_test_split as split_train_test
+from dpvr.objectives import PenalisedDRO, WithEta, divergence, dual_loss, indexed_targets, kl_compositional
+from dpvr.objectives.dro import cross_entropy
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import (
     DPSGD,
     DPSGDA,
     DoubleSpider,
@@ -87,9 +87,10 @@ from ..optim import (
     RecursiveSpider,
     RuntimeConfig,
 )
-from ..optim.sampling import BatchSampler
-from ..privacy.allocation import stream_dimensions
-from ..results import Record, document, format_table
+from dpvr.optim.sampling import BatchSampler
+from dpvr.privacy.allocation import stream_dimensions
+from dpvr.results import Record, document, format_table
+
 from .common import (
     DIAGNOSTIC_NOTE,
     derive_seed,

@@ -40,13 +40,13 @@ The paper's protocol, scaled to the data at hand:
   selecting per seed the pair with the best final *train* AUC. **This tuning uses the private training
   data and is not covered by the privacy accounting, as in the paper.** ``--quick`` searches ``eta_x`` only,
   with ``eta_y = 0.2``. ``--private-tuning`` selects the private methods' pair inside the budget instead: a
-  private search (:func:`~dpvr.experiments.common.private_search`) scored on the final test AUC, whose
+  private search (:func:`~dpvr_lab.experiments.common.private_search`) scored on the final test AUC, whose
   records carry the whole search's ``spent_epsilon`` and ``hyperparameter_tuning_accounted: true``.
 - **Metrics.** Test and train AUC (:func:`~dpvr.objectives.auc_score`, equal to scikit-learn's
   ``roc_auc_score``) and the norm of the full training gradient ``||grad_x L(x, alpha)||`` at the last
   iterate, mean ± std over seeds; their curves per epoch are plotted (the paper's Figure 1). Train AUC and
   gradient norm are measured on the private training data without noise: diagnostics, not private
-  (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
+  (``metrics["diagnostics"]``, :mod:`dpvr_lab.experiments.common`).
 
 Scale: the paper uses batches of 2048 of 60,000 records for 80 epochs; digits have ~1,250 training records,
 so the default is batches of 256 for 60 epochs and 5 seeds; ``mnist-5k`` (4,000) batches of 256 for 40
@@ -70,7 +70,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import (
+from dpvr.data import (
     DIGITS_RANGE,
     MNIST_RANGE,
     Dataset,
@@ -80,13 +80,14 @@ from ..data import (
     split_classes,
     subsample_to_ratio,
 )
-from ..data import train_test_split as split_train_test
-from ..data.idx import FASHION_MNIST_CLASSES
-from ..objectives import AUCMargin, AUCModel, auc_score
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
-from ..optim.sampling import BatchSampler
-from ..results import Record, document, format_table
+from dpvr.data import train_test_split as split_train_test
+from dpvr.data.idx import FASHION_MNIST_CLASSES
+from dpvr.objectives import AUCMargin, AUCModel, auc_score
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim.sampling import BatchSampler
+from dpvr.results import Record, document, format_table
+
 from .common import (
     DIAGNOSTIC_NOTE,
     derive_seed,

@@ -21,12 +21,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
-from ..results import Record
+from dpvr.results import Record
+
 from .step import CLIP, LR, make_case
 
 
 def _steps_ms(case_name: str, batch: int, steps: int, group: bool) -> list[float]:
-    from ..trainer import make_private
+    from dpvr.trainer import make_private
 
     case = make_case(case_name, batch)
     x = torch.cat([b[0] for b in case.batches])

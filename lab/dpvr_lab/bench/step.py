@@ -1,6 +1,6 @@
 """``dpvr bench step``: one full optimisation step, private and not, on small models (CPU or CUDA), and with
-``--scale`` on models of about 10^7 parameters (:data:`dpvr.bench.SCALE_DEFAULT`); with ``--case``, also
-on GPT-2 small's shape, about 1.24 * 10^8 parameters (:data:`dpvr.bench.SCALE_CASES` lists them all).
+``--scale`` on models of about 10^7 parameters (:data:`dpvr_lab.bench.SCALE_DEFAULT`); with ``--case``, also
+on GPT-2 small's shape, about 1.24 * 10^8 parameters (:data:`dpvr_lab.bench.SCALE_CASES` lists them all).
 
 Cases (``--case``):
   mlp           784-256-128-1 MLP, squared loss, B = 512;
@@ -21,7 +21,7 @@ Scale cases (``--scale``, or one of them with ``--case``):
                     as the ``gpt2`` case, sequences of T = 128, 512 or 1024 tokens, B = 8;
   gpt2-1e8-t{T}     GPT-2 small's shape (12 layers, width 768, 12 heads, 50257 tokens, tied head; 1.24 * 10^8
                     parameters) as the ``gpt2`` case, T = 128 or 512, B = 2; only with ``--case``
-                    (not in the ``--scale`` default: :data:`dpvr.bench.SCALE_DEFAULT`).
+                    (not in the ``--scale`` default: :data:`dpvr_lab.bench.SCALE_DEFAULT`).
 For each GPT-2 size run at several T, the exponents of time and memory in T are fitted
 (:func:`sequence_scaling`).
 
@@ -81,9 +81,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops
-from ..grads import GhostClipper, per_sample_grads_at_two_points
-from ..results import Record
+from dpvr import ops
+from dpvr.grads import GhostClipper, per_sample_grads_at_two_points
+from dpvr.results import Record
+
 from . import CASES, REAL_CASES, SCALE_CASES
 from .timing import device_sync, host_syncs, interleaved_median_ms, peak_bytes
 
@@ -504,7 +505,7 @@ def _make_private(model: nn.Module, case: Case) -> Callable[[], None]:
     """One step of the trainer that ``dpvr.make_private`` returns for DP-SGD on the case's four batches."""
     from torch.utils.data import TensorDataset
 
-    from ..trainer import make_private
+    from dpvr.trainer import make_private
 
     x = torch.cat([b[0] for b in case.batches]).cpu()
     y = torch.cat([b[1] for b in case.batches]).cpu()
@@ -591,7 +592,7 @@ class _NativeTimer:
 
 def _native_share(fn: Callable[[], None], rounds: int) -> float:
     """Fraction of ``fn``'s wall time spent in the native core."""
-    from ..ops import ghost, kernels
+    from dpvr.ops import ghost, kernels
 
     saved = kernels._C, ghost._C
     timer = _NativeTimer(saved[0])
@@ -766,7 +767,7 @@ def plot(records: Sequence[Record], path: str) -> None:
     step) is left out so that the others stay readable."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
-    from ..results import write_figure
+    from dpvr.results import write_figure
 
     cases = list(dict.fromkeys(r.dataset for r in records))
     names, rows = list(_PLOTTED), range(len(_PLOTTED))  # one row per method in every panel
@@ -807,7 +808,7 @@ def scale_plot(records: Sequence[Record], path: str) -> None:
     and GPT-2 size (solid: the smaller model), from the records of the ``gpt2-1e*-t*`` cases."""
     from matplotlib.figure import Figure
 
-    from ..results import write_figure
+    from dpvr.results import write_figure
 
     series: dict[tuple[str, str], list[tuple[int, float, float | None]]] = {}
     for r in records:

@@ -42,11 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from ..privacy.accountant import account
-from ..privacy.calibration import calibrate
-from ..privacy.events import DIFF2Plan, DPSGDPlan
-from ..results import Record, document, format_table, write_figure
-from ..trainer.defaults import Protocol, _period, diff2_protocol, diff2_tau, dpgd_protocol
+from dpvr.privacy.accountant import account
+from dpvr.privacy.calibration import calibrate
+from dpvr.privacy.events import DIFF2Plan, DPSGDPlan
+from dpvr.results import Record, document, format_table, write_figure
+from dpvr.trainer.defaults import Protocol, _period, diff2_protocol, diff2_tau, dpgd_protocol
+
 from .common import derive_seed, progress, save
 
 NAME = "regime"

@@ -30,7 +30,7 @@ and ``ceil(8 sqrt n)`` steps of ``diameter/(L sqrt T)`` with iterate averaging o
 
 ``grad_evals`` counts per-sample gradient evaluations (the phased solvers stop at their certificate, so
 theirs depends on the data). It and both metrics are measured on the private records without noise:
-diagnostics, not private (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
+diagnostics, not private (``metrics["diagnostics"]``, :mod:`dpvr_lab.experiments.common`).
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import data
-from ..objectives.phased_problems import LogisticRegression, QuadraticSaddle, RobustRegression
-from ..ops import NoiseGenerator, clip_accumulate, noisy_update
-from ..optim import PrivacyConfig, RuntimeConfig
-from ..optim.phased import FiniteSumProblem, PhasedOutputPerturbation
-from ..privacy import Accountant, DPSGDPlan
-from ..results import Record, document, format_table, write_figure
+from dpvr import data
+from dpvr.objectives.phased_problems import LogisticRegression, QuadraticSaddle, RobustRegression
+from dpvr.ops import NoiseGenerator, clip_accumulate, noisy_update
+from dpvr.optim import PrivacyConfig, RuntimeConfig
+from dpvr.optim.phased import FiniteSumProblem, PhasedOutputPerturbation
+from dpvr.privacy import Accountant, DPSGDPlan
+from dpvr.results import Record, document, format_table, write_figure
+
 from .common import DIAGNOSTIC_NOTE, derive_seed, diagnostic, format_mean_std, metric, record_metrics, save
 from .common import progress as progress_bar
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..results import format_table
+from dpvr.results import format_table
+
 from .common import mean_std, one_sided_ttest
 
 
@@ -153,7 +154,7 @@ def plot(comparisons: Sequence[Comparison], path: str | os.PathLike[str]) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..results import write_figure
+    from dpvr.results import write_figure
 
     datasets = sorted({c.dataset for c in comparisons})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.4), squeeze=False)

@@ -46,7 +46,7 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
   train loss gives the train and test loss, the one with the smallest final squared gradient norm gives
   that metric (the paper's rule). **This tuning uses the private training data and is not covered by the
   privacy accounting, as in the paper.** ``--private-tuning`` selects inside the budget instead: per
-  method, one private search (:func:`~dpvr.experiments.common.private_search`) over (``C1``, ``C2``,
+  method, one private search (:func:`~dpvr_lab.experiments.common.private_search`) over (``C1``, ``C2``,
   ``eta``) with ``T`` fixed at the grid's smallest (another restart period is another mechanism),
   DIFF2-BVR-L-SGD searching on its own; a trial runs all ``R`` rounds (only a diverging step stops it) and
   is scored by its final loss on the public split. The selected run gives every metric, and its record
@@ -55,7 +55,7 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
   test accuracy for classification), mean ± std over seeds; the minimum over the evaluated rounds too (the
   paper's t-test statistic). The one-sided paired t-test (one sample per seed, df = seeds - 1) has the
   alternative "DIFF2-GD < DP-GD". Train loss and gradient norm are measured on the private training data
-  without noise: diagnostics, not private (``metrics["diagnostics"]``, :mod:`dpvr.experiments.common`).
+  without noise: diagnostics, not private (``metrics["diagnostics"]``, :mod:`dpvr_lab.experiments.common`).
 
 Scale: on the bundled sets (a few hundred records) the default is R = 200, C1, C2 in {0.3, 1, 3} (their
 per-sample gradient norms are about 0.2-3), T in {0.01, 0.03, 0.1} R, eta in {0.5^i : i = 0..9}, K = 5
@@ -84,13 +84,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import Dataset, PublicScaling, load, read_csv, read_libsvm, split_clients, split_public
-from ..data import train_test_split as split_train_test
-from ..distributed import ClientPool
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import DIFF2, DivergedError, PrivacyConfig, RuntimeConfig
-from ..optim.diff2 import Shard
-from ..results import Record, document, format_table
+from dpvr.data import Dataset, PublicScaling, load, read_csv, read_libsvm, split_clients, split_public
+from dpvr.data import train_test_split as split_train_test
+from dpvr.distributed import ClientPool
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import DIFF2, DivergedError, PrivacyConfig, RuntimeConfig
+from dpvr.optim.diff2 import Shard
+from dpvr.results import Record, document, format_table
+
 from .common import (
     DIAGNOSTIC_NOTE,
     derive_seed,

@@ -39,12 +39,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import DIGITS_RANGE, load
-from ..data import train_test_split as split_train_test
-from ..objectives import WGAN, WGANModel
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
-from ..results import Record, document, format_table, write_figure
+from dpvr.data import DIGITS_RANGE, load
+from dpvr.data import train_test_split as split_train_test
+from dpvr.objectives import WGAN, WGANModel
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.results import Record, document, format_table, write_figure
+
 from .common import derive_seed, format_mean_std, plot_curves, progress, record_metrics, save
 
 NAME = "wgan"

@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from .. import ops
-from ..optim.gradients import ClippedGradients
-from ..results import Record
+from dpvr import ops
+from dpvr.optim.gradients import ClippedGradients
+from dpvr.results import Record
+
 from .step import CLIP, LR, SIGMA, Case, make_case
 from .timing import interleaved_median_ms, peak_bytes
 

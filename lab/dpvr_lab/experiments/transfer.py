@@ -16,7 +16,7 @@ imbalanced, heavy-tailed) for AUC (its Table 3). The same setting with the data 
   then the start of every private run; the head is replaced by a fresh one-output layer (public
   initialisation) and the whole network is fine-tuned.
 - **Fine-tuning**: exactly the AUC experiment's methods, objective, privacy accounting and learning-rate
-  selection (:mod:`dpvr.experiments.auc`): non-private SGDA, DP-SGDA and PrivateDiff on AUC-M ``v1``. The
+  selection (:mod:`dpvr_lab.experiments.auc`): non-private SGDA, DP-SGDA and PrivateDiff on AUC-M ``v1``. The
   positive ratio ``p`` is public: 0.1 for the imbalanced variant, the share of positive classes (0.5)
   otherwise (the heavy-tailed cut changes the real ratio; ``p`` stays the protocol's). As there, train AUC
   and gradient norm are diagnostics, not private.
@@ -39,11 +39,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import DIGITS_RANGE, Dataset, binarize, load, long_tail, split_classes, subsample_to_ratio
-from ..data import train_test_split as split_train_test
-from ..objectives import AUCMargin, AUCModel
-from ..ops import torch_threads
-from ..results import Record, document
+from dpvr.data import DIGITS_RANGE, Dataset, binarize, load, long_tail, split_classes, subsample_to_ratio
+from dpvr.data import train_test_split as split_train_test
+from dpvr.objectives import AUCMargin, AUCModel
+from dpvr.ops import torch_threads
+from dpvr.results import Record, document
+
 from . import auc
 from .common import derive_seed, progress, save
 

@@ -24,10 +24,10 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..optim import PrivacyConfig, PrivateAlgorithm
-from ..persistence import atomic_write
-from ..results import Record, write_figure, write_json
-from ..tuning import tune
+from dpvr.optim import PrivacyConfig, PrivateAlgorithm
+from dpvr.persistence import atomic_write
+from dpvr.results import Record, write_figure, write_json
+from dpvr.tuning import tune
 
 DIAGNOSTICS_KEY = "diagnostics"
 """The key of the training-set diagnostics in a record's metrics."""

@@ -22,7 +22,7 @@ def cpu_model() -> str:
 
 def describe() -> dict[str, object]:
     """CPU model, cores, the instruction set dpvr's CPU kernels use, torch's threads and version."""
-    from .. import _C
+    from dpvr import _C
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "kernels": _C.cpu_instruction_set(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -18,16 +18,16 @@ import importlib
 from types import ModuleType
 
 EXPERIMENTS: dict[str, str] = {
-    "diff2": "dpvr.experiments.diff2",
-    "auc": "dpvr.experiments.auc",
-    "last-iterate": "dpvr.experiments.last_iterate",
-    "phased": "dpvr.experiments.phased",
-    "dro": "dpvr.experiments.dro",
-    "transfer": "dpvr.experiments.transfer",
-    "wgan": "dpvr.experiments.wgan",
-    "td": "dpvr.experiments.td",
-    "scaling": "dpvr.experiments.scaling",
-    "regime": "dpvr.experiments.regime",
+    "diff2": "dpvr_lab.experiments.diff2",
+    "auc": "dpvr_lab.experiments.auc",
+    "last-iterate": "dpvr_lab.experiments.last_iterate",
+    "phased": "dpvr_lab.experiments.phased",
+    "dro": "dpvr_lab.experiments.dro",
+    "transfer": "dpvr_lab.experiments.transfer",
+    "wgan": "dpvr_lab.experiments.wgan",
+    "td": "dpvr_lab.experiments.td",
+    "scaling": "dpvr_lab.experiments.scaling",
+    "regime": "dpvr_lab.experiments.regime",
 }
 """Experiment name -> module that implements it."""
 

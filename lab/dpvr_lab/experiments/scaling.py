@@ -88,12 +88,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.dataset import Dataset
-from ..data.mnist1d import load_mnist1d
-from ..objectives import AUCMargin, AUCModel, WithEta, auc_score, divergence, dual_loss, kl_compositional
-from ..objectives.dro import cross_entropy as indexed_cross_entropy
-from ..ops import NoiseGenerator, torch_threads
-from ..optim import (
+from dpvr.data.dataset import Dataset
+from dpvr.data.mnist1d import load_mnist1d
+from dpvr.objectives import AUCMargin, AUCModel, WithEta, auc_score, divergence, dual_loss, kl_compositional
+from dpvr.objectives.dro import cross_entropy as indexed_cross_entropy
+from dpvr.ops import NoiseGenerator, torch_threads
+from dpvr.optim import (
     DIFF2,
     DPSGD,
     DPSGDA,
@@ -103,9 +103,10 @@ from ..optim import (
     PrivateDiff,
     RuntimeConfig,
 )
-from ..persistence import atomic_write
-from ..results import Record, document, format_table, write_figure
-from ..trainer.defaults import Public, derive
+from dpvr.persistence import atomic_write
+from dpvr.results import Record, document, format_table, write_figure
+from dpvr.trainer.defaults import Public, derive
+
 from .common import DIAGNOSTIC_NOTE, derive_seed, diagnostic, mean_std, one_sided_ttest, progress, save
 
 NAME = "scaling"

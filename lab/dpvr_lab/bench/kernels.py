@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from ..results import Record
+from dpvr import ops
+from dpvr.results import Record
+
 from .timing import median_ms
 
 MLP_SHAPES = [(256, 784), (256,), (128, 256), (128,), (1, 128), (1,)]
