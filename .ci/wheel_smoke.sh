@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Redistributable-wheel smoke test: build the wheel, repair it into a manylinux wheel that bundles the shared
 # libraries the extension links (libgomp), install it into a fresh virtual environment without the source
-# tree, and run one kernel against a float64 reference. Everything lives in a temporary directory.
+# tree, and run one kernel against a float64 reference; the wheel holds no experiments or benchmarks and needs
+# neither matplotlib nor scikit-learn, whose absence `dpvr experiment` reports until `pip install ./lab`.
+# Everything lives in a temporary directory.
 #
 #   .ci/wheel_smoke.sh          (from anywhere; PYTHON picks the interpreter, default python3)
 set -euo pipefail
@@ -38,6 +40,16 @@ names = zipfile.ZipFile(wheel).namelist()
 for required in ("dpvr/_C.pyi", "dpvr/py.typed"):
     assert required in names, f"{required} missing from the wheel"
 assert any(re.fullmatch(r"dpvr\.libs/libgomp-[0-9a-f]+\.so[.0-9]*", n) for n in names), "libgomp not bundled"
+# The library without its examples: the experiments and benchmarks are the distribution dpvr-lab (lab/).
+shipped = sorted({n.split("/")[1] for n in names if n.startswith("dpvr/") and n.count("/") > 1})
+assert not {"experiments", "bench"} & set(shipped), f"examples inside the dpvr wheel: {shipped}"
+metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+requires = [line.split(":", 1)[1].strip() for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist:")]
+hard = sorted(re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r)
+assert hard == ["attrs", "blake3", "dp-accounting", "numpy", "scipy", "torch", "tqdm"], hard
+print(f"{len(names)} files, {sum(i.file_size for i in zipfile.ZipFile(wheel).infolist())} bytes unpacked; "
+      f"hard dependencies: {', '.join(hard)}")
 EOF
 # Runtime instruction-set dispatch: everything is compiled for baseline x86-64 except the AVX2 and AVX-512
 # copies of the kernels (namespaces dpvr::cpu::avx2 and dpvr::cpu::avx512), which run only on CPUs that report
@@ -68,6 +80,7 @@ step "import from outside the source tree and run one kernel"
 cd "$work"
 "$work/venv/bin/python" - "$src" <<'EOF'
 import importlib.metadata
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -109,5 +122,18 @@ for framework, make in (("numpy", as_numpy), ("torch", as_torch)):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=framework)
     print(f"clip_accumulate ({framework}, float32) matches the float64 reference")
 print(f"dpvr {dpvr.__version__} from {installed.parent}, backends {dpvr.backends()}")
+for optional in ("sklearn", "matplotlib", "dpvr_lab"):
+    assert importlib.util.find_spec(optional) is None, f"{optional} installed with dpvr alone"
 EOF
+
+step "without dpvr-lab, 'dpvr experiment' says what to install; with it (pip install ./lab), it runs"
+set +e
+message=$("$work/venv/bin/dpvr" experiment auc --quick 2>&1)
+status=$?
+set -e
+echo "$message"
+[ "$status" = 2 ] && grep -q "pip install ./lab" <<<"$message" || { echo "no clear refusal (exit $status)" >&2; exit 1; }
+"$work/venv/bin/python" -m pip install -q "$src/lab"
+"$work/venv/bin/dpvr" experiment auc --help >/dev/null
+"$work/venv/bin/dpvr" bench kernels --quick --repeats 1 >/dev/null
 step "wheel smoke test passed"

@@ -10,6 +10,7 @@ import ast
 import importlib.metadata
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,60 @@ def test_stub_exception_bases():
 
 def test_package_is_marked_typed():
     assert STUB.with_name("py.typed").is_file()
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].strip().lower() for r in requirements}
+
+
+# Import name -> distribution name, where they differ.
+_DISTRIBUTIONS = {"attr": "attrs", "dp_accounting": "dp-accounting"}
+# Modules that import an optional package at their top and are themselves imported only when it is in use.
+_OPTIONAL_AT_TOP = {"transformers": ["grads/ghost/huggingface.py"]}  # when a model holds a transformers layer
+
+
+def _module_level_imports(tree: ast.Module) -> set[str]:
+    """Top-level names imported outside functions (imports inside functions are the optional, lazy ones)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def test_the_hard_dependencies_are_the_librarys_own():
+    """``pip install dpvr`` pulls the numerics, torch, the accountant and the hashing, and nothing for the
+    experiments: matplotlib and scikit-learn belong to dpvr-lab (lab/) and to extras."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert _requirement_names(project["dependencies"]) == {
+        "numpy", "torch", "scipy", "dp-accounting", "attrs", "blake3", "tqdm"}
+    assert _requirement_names(project["optional-dependencies"]["datasets"]) == {"scikit-learn"}
+    assert _requirement_names(project["optional-dependencies"]["plot"]) == {"matplotlib"}
+    lab = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())
+    assert lab["project"]["name"] == "dpvr-lab"
+    assert _requirement_names(lab["project"]["dependencies"]) == {"dpvr", "matplotlib", "scikit-learn"}
+    assert lab["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["dpvr_lab"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="sys.stdlib_module_names is new in Python 3.10")
+def test_every_module_level_import_of_the_library_is_a_declared_dependency():
+    """What the package imports when it is imported is declared in its dependencies (a transitive one
+    included, such as attrs): an import that only works because something else pulled it in fails here."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _requirement_names(project["dependencies"])
+    found: dict[str, list[str]] = {}
+    for source in sorted((ROOT / "python" / "dpvr").rglob("*.py")):
+        for name in _module_level_imports(ast.parse(source.read_text(encoding="utf-8"))):
+            if name not in sys.stdlib_module_names and name not in ("dpvr", "__future__"):
+                where = source.relative_to(ROOT / "python" / "dpvr").as_posix()
+                found.setdefault(_DISTRIBUTIONS.get(name, name), []).append(where)
+    assert {"numpy", "torch", "dp-accounting"} <= set(found)
+    assert {name: files for name, files in found.items() if name not in declared} == _OPTIONAL_AT_TOP

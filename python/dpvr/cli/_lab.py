@@ -25,15 +25,11 @@ def available() -> bool:
 
 def lab(module: str, command: str) -> ModuleType:
     """``dpvr_lab.<module>``, or :class:`LabMissing` naming what ``dpvr <command>`` needs installed."""
-    try:
-        return importlib.import_module(f"dpvr_lab.{module}")
-    except ModuleNotFoundError as err:
-        # Only the lab itself being absent is reported this way; a dependency missing inside an installed
-        # lab keeps its own error, which names that dependency.
-        if err.name != "dpvr_lab":
-            raise
+    if not available():
         raise LabMissing(
             f"'dpvr {command}' runs the experiments and benchmarks of the separate distribution dpvr-lab, "
             f"which is not installed: {INSTALL}",
             name="dpvr_lab",
-        ) from None
+        )
+    # A dependency missing inside an installed lab raises its own error, which names that dependency.
+    return importlib.import_module(f"dpvr_lab.{module}")

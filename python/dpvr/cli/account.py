@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import ModuleType
 
 from ..privacy import Accountant, Plan, PrivacyReport, calibrate, spend_curves
 from ..privacy.relations import tightest_accountant
@@ -121,15 +122,26 @@ def _print_table(title: str, report: PrivacyReport, rows: list[dict]) -> None:
         print(f"  - {text}")
 
 
+def _pyplot() -> ModuleType:
+    # Imported for --plot only: matplotlib is no hard dependency of dpvr (it is the "plot" extra).
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise RuntimeError('--plot draws with matplotlib, which is not installed: pip install matplotlib (or '
+                           '"dpvr[plot]")') from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _plot(path: str, spec: AlgorithmSpec, plan: Plan, noise: dict[str, float], delta: float,
           accountant: str) -> None:
     """Epsilon spent against the steps of the run, per bound that accounts it (the last-iterate plan draws
     its bound beside composition of passes: the paper's Figure 1)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = _pyplot()
 
     total = getattr(plan, "steps", 1)
     steps = sorted({int(k) for k in np.linspace(1, total, min(total, 40))})
@@ -148,6 +160,8 @@ def _plot(path: str, spec: AlgorithmSpec, plan: Plan, noise: dict[str, float], d
 
 def _run_account(args: argparse.Namespace) -> int:
     spec: AlgorithmSpec = args.algorithm_spec
+    if args.plot:
+        _pyplot()  # before any work: a missing matplotlib is refused up front
     plan = _plan(spec, args)
     noise = _noise(spec, args, plan)
     report, rows = _report(args, spec, plan, noise)
@@ -162,6 +176,8 @@ def _run_account(args: argparse.Namespace) -> int:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     spec: AlgorithmSpec = args.algorithm_spec
+    if args.plot:
+        _pyplot()  # before any work: a missing matplotlib is refused up front
     plan = _plan(spec, args)
     options = (
         {a.name: getattr(args, a.name) for a in spec.paper_options} if args.calibration == "paper" else {}

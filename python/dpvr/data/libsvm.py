@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-from sklearn.datasets import load_svmlight_file
 
 from ._files import DataFileError, read_bytes
 from .dataset import Dataset, Task, check_task, labelled_dataset
@@ -28,10 +27,17 @@ def read_libsvm(path: str | os.PathLike[str], *, task: Task, num_features: int |
     The result is dense (n × d float64), so this suits the low-dimensional sets dpvr's experiments use.
 
     Raises:
+        ImportError: scikit-learn (which parses the format) is not installed.
         FileNotFoundError: ``path`` is not a file.
         DataFileError: a malformed line, no samples, or a non-finite value.
     """
     check_task(task)
+    try:
+        # Imported here, not with dpvr: scikit-learn is no hard dependency of the library.
+        from sklearn.datasets import load_svmlight_file
+    except ImportError as err:
+        raise ImportError("read_libsvm parses with scikit-learn, which is not installed: pip install "
+                          'scikit-learn (or "dpvr[datasets]")') from err
     path = Path(path)
     raw = read_bytes(path)
     try:
