@@ -12,8 +12,19 @@ from torch.utils.data import TensorDataset
 
 import dpvr
 from dpvr.privacy.calibration import calibrate
-from dpvr.privacy.events import DIFF2Plan, DPSGDPlan
-from dpvr.trainer.defaults import Public, derive, diff2_noise, diff2_protocol, dpgd_protocol, noise_constant
+from dpvr.privacy.events import DIFF2Plan, DPSGDAPlan, DPSGDPlan, PrivateDiffPlan
+from dpvr.trainer.defaults import (
+    Public,
+    derive,
+    diff2_noise,
+    diff2_protocol,
+    dpgd_protocol,
+    dpsgda_protocol,
+    noise_constant,
+    private_diff_noise,
+    private_diff_protocol,
+    spider_protocol,
+)
 from test_registry import FRONT_DOOR
 
 
@@ -163,8 +174,10 @@ def test_private_diff_takes_theorem_6_restart_and_one_ascent_step():
     trainer = dpvr.make_private(model(), criterion, data(), algorithm="private-diff", epsilon=2.0, **given)
     n = len(data())
     d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    tau = (1.0 * math.sqrt(d) / (1.0 * n * 2.0)) ** (2 / 3)
+    c = _c(2.0, 1e-5)
+    tau = (math.sqrt(1.5 * c) * 1.0**2 * math.sqrt(d) / (1.0 * n)) ** (2 / 3)  # C1 = C2 = 1
     assert trainer.derived["restart"].value == min(50, max(1, round(tau * 50)))
+    assert "Theorem 6" in trainer.derived["restart"].why
     assert trainer.derived["y_steps"].value == 1 and "ascent" in trainer.derived["y_steps"].why
     trainer.run(2)
     assert trainer.privacy_spent().epsilon <= 2.0 * (1 + 1e-9)
@@ -189,8 +202,17 @@ def test_the_spiders_take_the_dro_theorems_period_and_batches(algorithm):
     assert all(sizes[s] == n for s in refresh)  # Theorem 8: b1 = n
     assert all(1 <= b <= n for b in sizes.values())
     d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    q = (n * 2.0 / math.sqrt(d * math.log(1e5))) ** (2 / 3)
-    assert trainer.derived["restart"].value == min(given["steps"], max(1, round(q)))
+    k, c, steps = (4 if algorithm == "double-spider" else 5), _c(2.0, 1e-5), given["steps"]
+    if algorithm == "double-spider":  # Theorem 7, log(1/delta)/eps^2 read as k c
+        q = round((n / math.sqrt(k * c * d)) ** (2 / 3))
+    else:  # Theorem 8, L = the v-difference radius
+        q = math.floor(n**2 / (given["clip"]["v-difference"] ** 2 * steps * d * k * c))
+    assert trainer.derived["restart"].value == min(steps, max(1, q))
+    g, lip = ((given["clip"]["x-refresh"], given["clip"]["x-difference"][0]) if algorithm == "double-spider"
+              else (given["clip"]["v-refresh"], given["clip"]["v-difference"]))
+    b2 = max((g * n / math.sqrt(lip * d * k * c)) ** (2 / 3), (g * n * d * k * c) ** (1 / 3) / lip ** (1 / 6))
+    x_difference = "x-difference" if algorithm == "double-spider" else "v-difference"
+    assert sizes[x_difference] == min(n, math.ceil(b2))
     trainer.run()
     assert trainer.privacy_spent().epsilon <= 2.0 * (1 + 1e-9)
 
@@ -211,3 +233,107 @@ def test_diff2_without_a_length_runs_the_theorems_rounds():
     with pytest.raises(ValueError, match="exactly one of epochs= or steps="):
         dpvr.make_private(torch.nn.Linear(3, 1), torch.nn.MSELoss(), TensorDataset(x, y), algorithm="dp-gd",
                           epsilon=4.0, clip=1.0, lr=0.1)
+
+
+def test_private_diff_noise_is_the_calibrations_equal_thirds():
+    """z1^2 = 3c ceil(R/T), z2^2 = 3c (R - ceil(R/T)), z_y^2 = 3c R against dpvr's joint PLD calibration of
+    the full-batch, output-y PrivateDiff plan, to 2%."""
+    c = noise_constant(1.0, 1e-6)
+    for rounds, restart in ((400, 20), (3000, 7)):
+        z1, z2, zy = private_diff_noise(rounds, restart, c)
+        tight = calibrate(PrivateDiffPlan(1000, 1000, rounds, restart, 1, "full", y_release="output"), 1.0,
+                          1e-6, accountant="pld")
+        assert (z1, z2, zy) == pytest.approx((tight["checkpoint"], tight["difference"], tight["y"]), rel=0.02)
+
+
+def test_private_diff_protocol_is_theorem_6s_proof_with_the_accountants_constant():
+    """tau = (sqrt(3c/2) G^2 sqrt(d) / (gap L N))^(2/3), R = max(1/tau, N / sqrt(6 c d tau)),
+    T = round(tau R), eta = 1 / (2 L max(1, sqrt(2 T d) z2 / N)) and the bound, computed here from the
+    formulas; with the problem's l, mu and gradient range the rounds stop at
+    R_y = sqrt(2 gap L / (3 c)) N mu / (l range)."""
+    n, d, g, lip, gap = 200_000, 10, 0.65, 6.0, 0.3
+    c = noise_constant(1.0, 1e-6)
+    tau = (math.sqrt(1.5 * c) * g**2 * math.sqrt(d) / (gap * lip * n)) ** (2 / 3)
+    rounds = math.ceil(max(1 / tau, n / math.sqrt(6 * c * d * tau)))
+    restart = round(tau * rounds)
+    z1 = math.sqrt(3 * c * math.ceil(rounds / restart))
+    z2 = math.sqrt(3 * c * (rounds - math.ceil(rounds / restart)))
+    lr = 1 / (2 * lip * max(1, math.sqrt(2 * restart * d) * z2 / n))
+    p = private_diff_protocol(n, d, 1.0, 1e-6, g, lip, gap)
+    assert (p.rounds, p.restart) == (rounds, restart)
+    assert p.tau == pytest.approx(tau, rel=1e-12) and p.lr == pytest.approx(lr, rel=1e-12)
+    assert p.bound == pytest.approx(2 * gap / (lr * rounds) + 2 * d * (z1 * g / n) ** 2, rel=1e-12)
+    cross, mu, spread = 2.0, 1.0, 1.0
+    r_y = math.sqrt(2 * gap * lip / (3 * c)) * n * mu / (cross * spread)
+    q = private_diff_protocol(n, d, 1.0, 1e-6, g, lip, gap, cross=cross, strong_concavity=mu, y_range=spread)
+    assert q.rounds == min(rounds, math.ceil(r_y))
+    assert q.bound > private_diff_protocol(n, d, 1.0, 1e-6, g, lip, gap, rounds=q.rounds).bound
+
+
+def test_private_diff_period_minimises_its_bound():
+    """At the protocol's R, no period T in [1, R] gives the bound (with eta and the noise re-derived for T) a
+    value below 1.05 times that at the derived T: tau is the bound's minimiser, not only its formula."""
+    n, d, g, lip, gap = 500_000, 100, 0.65, 6.0, 0.5
+    c = noise_constant(4.0, 1e-6)
+    p = private_diff_protocol(n, d, 4.0, 1e-6, g, lip, gap)
+
+    def bound(restart: int) -> float:
+        z1, z2, _ = private_diff_noise(p.rounds, restart, c)
+        eta = 1 / (2 * lip * max(1, math.sqrt(2 * restart * d) * z2 / n))
+        return 2 * gap / (eta * p.rounds) + 2 * d * (z1 * g / n) ** 2
+
+    best = min(bound(t) for t in range(1, p.rounds + 1, max(1, p.rounds // 4000)))
+    assert p.restart > 1 and bound(p.restart) <= 1.05 * best
+
+
+def test_dpsgda_protocol_is_theorem_2s_bound_41_with_the_accountants_constant():
+    """eta_x = 1 / (16 (kappa + 1)^2 l), eta_y = 1 / l, T = N sqrt(A / (2 K c d G^2)) with A = 3 gap / eta_x +
+    6 kappa l^2 Lambda^2, K = 2 max(9 kappa + 1/(8 kappa), 1/(4 kappa)); and the two streams' calibrated
+    multipliers are z^2 = 2 c T (equal shares), to 2%."""
+    n, d, g, cross, mu, gap, lam = 100_000, 10, 0.65, 2.0, 1.0, 0.3, 1.0
+    c = noise_constant(0.5, 1e-6)
+    kappa = cross / mu
+    eta = 1 / (16 * (kappa + 1) ** 2 * cross)
+    a = 3 * gap / eta + 6 * kappa * cross**2 * lam**2
+    k = 2 * max(9 * kappa + 1 / (8 * kappa), 1 / (4 * kappa))
+    rounds = math.ceil(n * math.sqrt(a / (2 * k * c * d * g**2)))
+    p = dpsgda_protocol(n, d, 0.5, 1e-6, g, cross, mu, gap, lam)
+    assert (p.rounds, p.restart) == (rounds, 1)
+    assert p.lr == pytest.approx(eta) and p.lr_y == pytest.approx(1 / cross)
+    assert p.bound == pytest.approx(a / rounds + k * 2 * c * d * g**2 * rounds / n**2, rel=1e-12)
+    tight = calibrate(DPSGDAPlan(1000, 1000, 500, "full"), 0.5, 1e-6, accountant="pld")
+    assert tight["x"] == pytest.approx(math.sqrt(2 * c * 500), rel=0.02) == tight["y"]
+
+
+def test_spider_protocol_is_theorem_8_with_the_accountants_constant():
+    """T, q, b2 and eta of Theorem 8, log(1/delta)/eps^2 read as k c (k = 5 streams), from the formulas."""
+    n, d, g, lip = 50_000, 20, 1.0, 3.0
+    c = noise_constant(1.0, 1e-6)
+    kc = 5 * c
+    rounds = math.ceil(max((lip**0.25 * n / math.sqrt(g * d * kc)) ** (4 / 3), n / math.sqrt(d * kc)))
+    q = max(1, math.floor(n**2 / (lip**2 * rounds * d * kc)))
+    b2 = max((g * n / math.sqrt(lip * d * kc)) ** (2 / 3), (g * n * d * kc) ** (1 / 3) / lip ** (1 / 6))
+    p = spider_protocol(n, d, 1.0, 1e-6, g, lip)
+    assert (p.rounds, p.restart, p.batch) == (rounds, min(rounds, q), min(n, math.ceil(b2)))
+    assert p.lr == 1 / (2 * lip)
+
+
+def test_private_diff_without_a_length_runs_theorem_6s_rounds_and_recursive_spider_takes_its_step():
+    """Neither steps nor epochs: PrivateDiff's R is Theorem 6's and its step follows (no lr given), the run's
+    plan is that length; Recursive-SPIDER without lr takes Theorem 8's 1/(2L)."""
+    (model, criterion, data), settings = FRONT_DOOR["private-diff"]
+    given = {k: v for k, v in settings.items() if k not in ("restart", "y_steps", "steps", "lr")}
+    trainer = dpvr.make_private(model(), criterion, data(), algorithm="private-diff", epsilon=2.0, **given)
+    n = len(data())
+    d = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    c1, c2 = given["clip"]["checkpoint"], given["clip"]["difference"][0]
+    expected = private_diff_protocol(n, d, 2.0, 1e-5, c1, c2)
+    assert trainer.derived["steps"].value == expected.rounds == trainer.algorithm.plan.steps
+    assert trainer.derived["restart"].value == expected.restart
+    assert trainer.derived["lr"].value == pytest.approx(expected.lr, rel=1e-9)
+    (model, criterion, data), settings = FRONT_DOOR["recursive-spider"]
+    given = {k: v for k, v in settings.items() if k not in ("restart", "batch_sizes", "lr")}
+    trainer = dpvr.make_private(model(), criterion, data(), algorithm="recursive-spider", epsilon=2.0,
+                                **given)
+    expected = spider_protocol(len(data()), 1, 2.0, 1e-5, 1.0, given["clip"]["v-difference"])
+    assert trainer.derived["lr"].value == expected.lr and "Theorem 8" in trainer.derived["lr"].why
