@@ -29,7 +29,8 @@ release (for the record exposed most often), with the noise multiplier the bound
 sizes, dataset sizes and sampling rates that were actually drawn.
 
 Factories (one function per algorithm, :data:`ALGORITHMS`, keyed by the algorithm's name in
-:mod:`dpvr.registry`) build every algorithm from a dataset and a plain config dictionary;
+:mod:`dpvr.registry`; a variant of one, such as DP-SGD's clipping policies, as ``name/variant``) build every
+algorithm from a dataset and a plain config dictionary;
 ``tests/test_sensitivity.py`` generates the configurations. An algorithm that releases once per run instead
 (the phased framework) has its own lockstep, :data:`OUTPUT_PERTURBATION`; :func:`uncovered` names every
 registry algorithm that has neither, which the tests refuse.
@@ -436,6 +437,10 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("double-spider", build_double_spider, DRO, tight=("eta-refresh",)),
         Algorithm("recursive-spider", build_recursive_spider, DRO, tight=("s",)),
         Algorithm("last-iterate", build_last_iterate, REGRESSION, tight=("gradient",)),
+        # DP-SGD's clipping policies (options carry clipping=): per-layer radii, and private adaptive
+        # clipping, whose noisy count of unclipped records is a second stream on the gradient's batch
+        Algorithm("dp-sgd/per-layer", build_dpsgd, REGRESSION, tight=("gradient",)),
+        Algorithm("dp-sgd/adaptive", build_dpsgd, REGRESSION, tight=("gradient",)),
     )
 }
 

@@ -53,7 +53,9 @@ def test_dpsgds_binding_is_its_declared_settings_plan_noise_and_shapes():
         "setting.batch_size": 4.0,
         "setting.bound": "last-iterate",
         "setting.clip": 1.0,
+        "setting.clip_lr": None,
         "setting.clipping": True,
+        "setting.count_noise": None,
         "setting.lr": 0.1,
         "setting.noise": 1.0,
         "setting.optimizer": None,
@@ -61,6 +63,7 @@ def test_dpsgds_binding_is_its_declared_settings_plan_noise_and_shapes():
         "setting.sampling": "poisson",
         "setting.smoothness": None,
         "setting.steps": 2.0,
+        "setting.target_quantile": None,
         "setting.weak_convexity": None,
     }
     assert set(alg.binding()) == set(alg.binding(data=False)) | {"data"}

@@ -37,14 +37,15 @@ def test_clipping_false_is_refused_outside_the_cyclic_run(sampling: str) -> None
         _dpsgd(clipping=False, sampling=sampling)
 
 
-def test_per_layer_clipping_is_refused_not_ignored() -> None:
-    with pytest.raises(ValueError, match="clipping: .*'per_layer'; per-layer clipping is not implemented"):
-        _dpsgd(clipping="per_layer")
+def test_an_unknown_clipping_policy_is_refused_not_ignored() -> None:
+    # clipping="per_layer" and "adaptive" are implemented (tests/test_clipping_per_layer.py, _adaptive.py)
+    with pytest.raises(ValueError, match="clipping: True or 'flat' .*'per_layer' .*'adaptive'.* got 'layer'"):
+        _dpsgd(clipping="layer")
 
 
 @pytest.mark.parametrize("clip", [[1.0, 2.0], (1.0,), {"gradient": 1.0}, "1.0"])
 def test_a_clip_that_is_not_one_number_names_clip(clip) -> None:
-    with pytest.raises(TypeError, match="clip: DP-SGD clips each record's whole gradient .* one radius"):
+    with pytest.raises(TypeError, match="clip: clipping=True clips each record's whole gradient .* one"):
         _dpsgd(clip=clip)
 
 

@@ -172,6 +172,17 @@ def test_make_private_last_iterate_draws_the_priced_parameter_noise(clipping):
     assert_standard_normal("gradient", model.weight.detach().double().reshape(-1).numpy() / priced)
 
 
+@pytest.mark.parametrize("sampling", ["poisson", "wor"])
+def test_dpsgd_per_layer_draws_noise_priced_on_the_total_radius(sampling):
+    """Per-layer radii (0.6 on the weight, 0.8 on the bias): one record moves the sum by at most
+    sqrt(0.6^2 + 0.8^2) = 1, so the std is z * 1 / b, not z * max C_l / b nor z * sum C_l / b."""
+    relation = "add-remove" if sampling == "poisson" else REPLACE_ONE
+    config = _config({"sampling": sampling, "batch_size": 8, "lr": 0.05, "clip": [0.6, 0.8],
+                      "clipping": "per_layer", "steps": 40}, relation=relation, accountant="pld", n=32)
+    alg = harness.build_dpsgd(_data(32, harness.REGRESSION), config)
+    run_and_check(alg, lambda a, s: a.noise[s] * 1.0 / 8)
+
+
 def test_dpgd_draws_the_priced_noise():
     config = _config({"lr": 0.05, "clip": 2.0, "steps": 40})
     alg = harness.build_dpgd(_data(32, harness.REGRESSION), config)

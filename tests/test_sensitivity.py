@@ -54,6 +54,8 @@ APPLIES = {
     "recursive-spider": ["one-step", "restart-1", "zero-releases", "rate-1", "batch-1", "radius-0",
                          "non-finite"],
     "last-iterate": ["one-step", "one-pass", "rate-1", "batch-1", "non-finite"],
+    "dp-sgd/per-layer": ["one-step", "rate-1", "batch-1", "non-finite"],
+    "dp-sgd/adaptive": ["one-step", "rate-1", "batch-1", "non-finite"],
 }
 # fmt: on
 TINY_LR = 1e-300  # lost to rounding: the iterate stays put and its measured move is exactly 0
@@ -136,6 +138,35 @@ def dpsgd_configs(draw, edge: str | None = None, sampling: str | None = None) ->
             config["accountant"] = "pld"  # the RDP accountant has no Poisson sampling under replace-one
     options["steps"] = _steps(draw, edge, per_pass=n // batch)
     return {**config, "options": options}
+
+
+def _policy_sampling(draw, edge: str | None) -> str:
+    """A sampling scheme the clipping policies take (the cyclic last-iterate bound is for flat clipping)."""
+    choices = ["poisson", "wor"] if edge in ("batch-1", "rate-1") else ["poisson", "wor", "full"]
+    return draw(st.sampled_from(choices), label="sampling")
+
+
+@st.composite
+def dpsgd_per_layer_configs(draw, edge: str | None = None) -> dict:
+    """Per-layer radii of the harness's linear model (weight, bias): one number split equally, a list, or
+    a dict by parameter name."""
+    config = draw(dpsgd_configs(edge, sampling=_policy_sampling(draw, edge)))
+    clip = draw(st.sampled_from([0.5, [0.3, 0.4], {"weight": 0.2, "bias": 0.6}, {"": 0.7}]), label="clip")
+    config["options"].update(clipping="per_layer", clip=clip)
+    return config
+
+
+@st.composite
+def dpsgd_adaptive_configs(draw, edge: str | None = None) -> dict:
+    """Private adaptive clipping: target quantile, radius step and count noise (> z/2 for the default z 2)."""
+    config = draw(dpsgd_configs(edge, sampling=_policy_sampling(draw, edge)))
+    config["options"].update(
+        clipping="adaptive",
+        target_quantile=draw(st.sampled_from([0.3, 0.7]), label="quantile"),
+        clip_lr=draw(st.sampled_from([0.2, 1.0]), label="clip_lr"),
+        count_noise=draw(st.sampled_from([1.5, 4.0]), label="count_noise"),
+    )
+    return config
 
 
 @st.composite
@@ -300,6 +331,8 @@ CONFIGS = {
     "double-spider": double_spider_configs,
     "recursive-spider": recursive_spider_configs,
     "last-iterate": last_iterate_configs,
+    "dp-sgd/per-layer": dpsgd_per_layer_configs,
+    "dp-sgd/adaptive": dpsgd_adaptive_configs,
 }
 EDGE_CASES = [pytest.param(name, edge, id=f"{name}-{edge}") for name in CONFIGS for edge in APPLIES[name]]
 
@@ -429,6 +462,12 @@ TIGHT_CASES = {  # configurations whose adversarial record attains each tight st
                                              "clip": {"v-refresh": 0.5, "v-difference": 1.0, "u-refresh": 0.5,
                                                       "u-difference": 1.0, "s": 1.0}}},
     "last-iterate": {"n": 6, "options": {"batch_size": 3, "steps": 2, "lr": 0.1, "clip": 0.5}},
+    # the opposed record's weight and bias parts are clipped to 0.3 and 0.4 in opposite directions: a move of
+    # 2 sqrt(0.3^2 + 0.4^2), the priced 2 x total radius
+    "dp-sgd/per-layer": {"n": 6, "options": {"sampling": "wor", "batch_size": 3, "steps": 2, "lr": 0.1,
+                                             "clipping": "per_layer", "clip": [0.3, 0.4]}},
+    "dp-sgd/adaptive": {"n": 6, "options": {"sampling": "wor", "batch_size": 3, "steps": 3, "lr": 0.1,
+                                            "clipping": "adaptive", "clip": 0.5, "count_noise": 2.0}},
 }
 # fmt: on
 

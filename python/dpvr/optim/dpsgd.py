@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..grads.layer_clip import LayerRadii, layer_radii
 from ..privacy import Accountant, events
 from ..privacy.last_iterate import CyclicDPSGDPlan
 from . import prox as proximal
 from .base import LossFn, PrivateAlgorithm
+from .clipping import AdaptiveRadius, check_policy, split_noise
 from .config import PrivacyConfig, RuntimeConfig
-from .estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
+from .estimator import ClippedSum, DifferenceEstimator, Iterate, release, step_size
 from .gradients import ClippedGradients, accumulators, check_loss
-from .guard import BudgetExhaustedError
+from .guard import BudgetExhaustedError, resolve_noise
 from .ledger import Release
 from .records import Records, as_records
 from .sampling import BatchSampler
@@ -115,7 +117,7 @@ class DPSGD(PrivateAlgorithm):
         targets: torch.Tensor | None = None,
         *,
         lr: float | None = None,
-        clip: float,
+        clip: float | Sequence[float] | dict[str, float],
         steps: int,
         batch_size: int | None = None,
         sampling: str = "poisson",
@@ -123,7 +125,10 @@ class DPSGD(PrivateAlgorithm):
         prox: object | None = None,
         weak_convexity: float | None = None,
         smoothness: float | None = None,
-        clipping: bool = True,
+        clipping: bool | str = True,
+        target_quantile: float | None = None,
+        clip_lr: float | None = None,
+        count_noise: float | None = None,
         bound: str = "last-iterate",
         optimizer: torch.optim.Optimizer | None = None,
         privacy: PrivacyConfig = PrivacyConfig(),
@@ -135,9 +140,12 @@ class DPSGD(PrivateAlgorithm):
                 lr=lr, clip=clip, steps=steps, batch_size=batch_size, sampling=sampling, noise=noise,
                 prox=prox, weak_convexity=weak_convexity, smoothness=smoothness, clipping=clipping,
                 bound=bound, optimizer=optimizer, privacy=privacy, runtime=runtime,
+                target_quantile=target_quantile, clip_lr=clip_lr, count_noise=count_noise,
             )  # fmt: skip
         records = as_records(inputs, targets)
-        _check_arguments(clip, clipping, sampling, noise)
+        self.policy = _check_arguments(clip, clipping, sampling, noise,
+                                       dict(target_quantile=target_quantile, clip_lr=clip_lr,
+                                            count_noise=count_noise))
         if optimizer is not None and sampling == "cyclic":
             raise ValueError("optimizer: the last-iterate bound is proved for the (proximal) SGD step only")
         lr = step_size(lr, optimizer)
@@ -164,7 +172,7 @@ class DPSGD(PrivateAlgorithm):
                 weak_convexity=weak_convexity,
                 smoothness=smoothness,
                 bound=bound,
-                clipping=clipping,
+                clipping=self.policy != "none",
                 domain_diameter=getattr(prox, "diameter", math.inf),
             )
         else:
@@ -180,15 +188,31 @@ class DPSGD(PrivateAlgorithm):
             self.sampler = BatchSampler.for_stream(
                 plan, "gradient", n, runtime.sampler_seed, public_size=public
             )
+        self.adaptive: AdaptiveRadius | None = None
+        if self.policy == "adaptive":
+            # The user's z (or the one calibrated for the plain plan) is what the pair of releases costs per
+            # step; the gradient's multiplier is raised to make room for the count's (clipping.split_noise).
+            z = resolve_noise(plan, noise, privacy)["gradient"]
+            batch = self.sampler.batch_size  # public: the expected batch size, or n under replace-one
+            sigma_b = batch / 20.0 if count_noise is None else count_noise
+            self.adaptive = AdaptiveRadius(float(clip), 0.5 if target_quantile is None else target_quantile,
+                                           0.2 if clip_lr is None else clip_lr, sigma_b)
+            z_g, z_b = split_noise(z, self.adaptive.count_noise)
+            plan = events.AdaptiveClipDPSGDPlan(**{f.name: getattr(plan, f.name)
+                                                   for f in dataclasses.fields(events.DPSGDPlan)})
+            noise = {"gradient": z_g, "clip-count": z_b}
         check_loss(model, loss_fn, *records.probe(1))
         super().__init__(
             model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
             data=records,
         )  # fmt: skip
         self.records = records
-        self.lr, self.clip, self.steps, self.prox = lr, float(clip), int(steps), prox
+        # The radius in force: one number (flat, adaptive: updated after each step), or per-layer radii.
+        self.clip: float | LayerRadii = (layer_radii(model, clip) if self.policy == "per_layer"
+                                         else float(clip))
+        self.lr, self.steps, self.prox = lr, int(steps), prox
         self.optimizer = optimizer
-        self.clipping = clipping or not self.last_iterate_only
+        self.clipping = self.policy != "none"
         self.gradients = ClippedGradients(
             model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
         )
@@ -197,6 +221,9 @@ class DPSGD(PrivateAlgorithm):
         self._sum = accumulators(self.flat)
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: the noisy clipped mean
+        if self.adaptive is not None:  # the count's release (float64) and its exact sum
+            self._count = self.flat[0].new_zeros(1, dtype=torch.float64)
+            self._count_sum = [self.flat[0].new_zeros(1, dtype=torch.float64)]
 
     def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
@@ -204,26 +231,44 @@ class DPSGD(PrivateAlgorithm):
         for s in self._sum:
             s.zero_()
         # Per-record norms and losses in the parameters' dtype (the sum alone is float64).
-        norms = None if self.clipping else self.flat[0].new_empty(len(inputs))
+        norms = self.flat[0].new_empty(len(inputs)) if self.policy in ("none", "adaptive") else None
         # The batch's mean loss, from the pass that clipped it (not under the last-iterate bound: it is read
         # at an intermediate iterate).
         losses = None if self.last_iterate_only else self.flat[0].new_empty(len(inputs))
         dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms, losses=losses)
-        if norms is not None and not bool((norms <= self.clip).all()):
+        if self.policy == "none" and not bool((norms <= self.clip).all()):
             raise RuntimeError(
                 f"{self.name}: clipping=False asserted per-example gradient norms <= {self.clip:g}, but a "
                 "gradient exceeded it; the last-iterate bound used does not hold, so the run stops here"
             )
+        radius = self.clip.total if isinstance(self.clip, LayerRadii) else self.clip
+        adaptive = {}
+        if self.adaptive is not None:
+            # The shifted count sum_i (1[n_i <= C] - 1/2), released on the same batch (a NaN norm: a record
+            # dropped as non-finite counts as clipped; any function of the record alone moves it by <= 1/2).
+            shifted = float((norms <= self.clip).sum()) - len(inputs) / 2.0
+            count = self._count_sum[0]
+            count.fill_(shifted)
+            release(
+                [self._count], "clip-count", ClippedSum([count], 0.5),
+                noise_multiplier=self.noise["clip-count"], reset=True, generator=self.generator,
+            )  # fmt: skip
+            released = float(self._count[0])
         self.v.release(
-            "gradient", ClippedSum(self._sum, self.clip, self.sampler.batch_size),
+            "gradient", ClippedSum(self._sum, radius, self.sampler.batch_size),
             noise_multiplier=self.noise["gradient"], reset=True, generator=self.generator, iterate=self.x,
             lr=self.lr,
         )  # fmt: skip
+        if self.adaptive is not None:
+            # Post-processing of the released count: the next step's radius reads no private data.
+            batch = self.sampler.batch_size
+            adaptive = {"clip": radius, "unclipped": (released + batch / 2.0) / batch}
+            self.clip = self.adaptive.update(released, batch)
         proximal.apply(self.prox, [p.detach() for p in self.params], self.lr)
         self._record(admitted)
         # The whole batch's size and mean loss (a data-parallel engine holds a share of the batch).
         batch, loss = self.gradients.batch_mean(losses, len(inputs))
-        info = {"batch": batch, "nonfinite": dropped}
+        info = {"batch": batch, "nonfinite": dropped, **adaptive}
         if loss is not None:
             info["loss"] = loss  # a 0-d tensor: reading it waits for the device
         # A last-iterate run's step length would reveal an intermediate iterate; an optimizer's is unmeasured.
@@ -269,10 +314,15 @@ class DPSGD(PrivateAlgorithm):
         self.guard.record(*admitted, replace=True)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
+        extra: dict[str, Any] = {"sampler": self.sampler.state_dict()}
+        if self.adaptive is not None:  # the radius in force: a function of the counts released so far
+            extra["clip_radius"] = self.adaptive.radius
+        return extra
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+        if self.adaptive is not None:
+            self.adaptive.radius = self.clip = float(state["clip_radius"])
 
 
 class DPGD(DPSGD):
@@ -316,10 +366,12 @@ class DPGD(DPSGD):
         super().__init__(model, loss_fn, inputs, targets, sampling="full", settings=given, **kwargs)
 
 
-def _check_arguments(clip: Any, clipping: Any, sampling: str, noise: Any) -> None:
-    """``clip`` one radius > 0 and ``clipping`` a bool, ``False`` only for the cyclic last-iterate run: a
-    setting DP-SGD cannot honour is refused rather than ignored. A zero noise multiplier is refused saying
-    why (the other bad values by the plan's own check)."""
+def _check_arguments(clip: Any, clipping: Any, sampling: str, noise: Any, adaptive: Mapping[str, Any]) -> str:
+    """The clipping policy (:func:`dpvr.optim.clipping.check_policy`), after checking that ``clip`` has its
+    shape (one radius > 0; a list or dict of radii for ``"per_layer"`` only), that ``False`` comes only with
+    the cyclic last-iterate run and the adaptive settings only with ``"adaptive"``: a setting DP-SGD cannot
+    honour is refused rather than ignored. A zero noise multiplier is refused saying why (the other bad
+    values by the plan's own check)."""
     given = noise.values() if isinstance(noise, Mapping) else [noise]
     if any(z is not None and not isinstance(z, str) and z == 0 for z in given):
         raise ValueError(
@@ -328,25 +380,35 @@ def _check_arguments(clip: Any, clipping: Any, sampling: str, noise: Any) -> Non
             "without dpvr, or give a small multiplier > 0 (privacy_spent() then reports its epsilon, inf "
             "where it is unbounded)"
         )
-    try:
-        radius = None if isinstance(clip, (bool, str)) else float(clip)
-    except (TypeError, ValueError):
-        radius = None
-    if radius is None:
-        raise TypeError(
-            f"clip: DP-SGD clips each record's whole gradient (every parameter at once) to one radius C, a "
-            f"number > 0; got {type(clip).__name__} {clip!r} (per-layer radii are not implemented)"
-        )
-    if not radius > 0:
-        raise ValueError(f"clip: must be > 0, got {clip}")
-    if not isinstance(clipping, bool):
+    policy = check_policy(clipping)
+    stray = sorted(name for name, value in adaptive.items() if value is not None)
+    if stray and policy != "adaptive":
+        raise ValueError(f"{', '.join(stray)}: settings of clipping='adaptive', given with "
+                         f"clipping={clipping!r}")
+    if policy != "flat" and sampling == "cyclic" and policy != "none":
         raise ValueError(
-            f"clipping: True (each record's whole gradient clipped to clip) or False (sampling='cyclic' "
-            f"only), got {clipping!r}; per-layer clipping is not implemented"
+            f"clipping={clipping!r}: sampling='cyclic' is accounted by the last-iterate bound, proved for "
+            "one fixed radius on the whole gradient; use clipping=True there"
         )
-    if not clipping and sampling != "cyclic":
+    if policy == "none" and sampling != "cyclic":
         raise ValueError(
             f"clipping=False: only sampling='cyclic' takes it (the last-iterate bound of a known Lipschitz "
             f"constant, verified at every step); sampling={sampling!r} always clips each record's gradient "
             "to clip, which its accounting needs"
         )
+    if policy == "per_layer" and isinstance(clip, (list, tuple, Mapping)):
+        return policy  # each radius checked against the model's parameters (grads.layer_clip.layer_radii)
+    try:
+        radius = None if isinstance(clip, (bool, str)) else float(clip)
+    except (TypeError, ValueError):
+        radius = None
+    if radius is None:
+        shaped = isinstance(clip, (list, tuple, Mapping))
+        raise TypeError(
+            f"clip: clipping={clipping!r} clips each record's whole gradient (every parameter at once) to "
+            f"one radius C, a number > 0; got {type(clip).__name__} {clip!r}"
+            + (" (per-parameter radii need clipping='per_layer')" if shaped else "")
+        )
+    if not (radius > 0 and math.isfinite(radius)):
+        raise ValueError(f"clip: must be a finite number > 0, got {clip}")
+    return policy

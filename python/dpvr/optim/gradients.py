@@ -8,6 +8,7 @@ the model allows, materialised per-sample gradients and the fused kernels otherw
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -25,6 +26,7 @@ from ..grads import (
     trainable_parameters,
 )
 from ..grads.fields import call
+from ..grads.layer_clip import LayerRadii
 from ..problems import LossFn
 
 MODES = ("auto", "ghost", "materialised")
@@ -180,7 +182,7 @@ class ClippedGradients:
         self,
         inputs: torch.Tensor,
         targets: torch.Tensor,
-        clip: float,
+        clip: float | LayerRadii,
         out: Sequence[torch.Tensor],
         point: Sequence[torch.Tensor] | None = None,
         norms: torch.Tensor | None = None,
@@ -189,7 +191,10 @@ class ClippedGradients:
     ) -> int | torch.Tensor:
         """``out += sum_i clip_C(w_i grad l(point; z_i))`` (``weights`` ``w`` scale before the norm; default
         1); returns the number of non-finite samples. ``norms`` and ``losses``, when given, receive each
-        sample's gradient norm and loss (from the pass that formed the sum: no extra work). On a CUDA device
+        sample's gradient norm and loss (from the pass that formed the sum: no extra work). ``clip`` may be a
+        :class:`~dpvr.grads.layer_clip.LayerRadii` (per-layer clipping, on both paths: each group of
+        parameters clipped to its own radius, a sample's whole term then of norm at most ``clip.total``;
+        ``norms`` are the whole per-sample gradients'). On a CUDA device
         the count of the ghost path is a 0-d device tensor (see the class)."""
         inputs, targets = as_inputs(inputs), as_inputs(targets)
         if len(inputs) == 0:
@@ -210,9 +215,44 @@ class ClippedGradients:
         )
         if losses is not None:
             losses.copy_(each)
-        count = ops.clip_accumulate(grads, clip, acc, weights=weights, norms=norms, nonfinite=self.nonfinite)
+        if isinstance(clip, LayerRadii):
+            count = self._clip_layers(grads, clip, acc, weights, norms)
+        else:
+            count = ops.clip_accumulate(grads, clip, acc, weights=weights, norms=norms,
+                                        nonfinite=self.nonfinite)
         _flush(acc, out)
         return self._dropped(int(count), len(inputs))
+
+    def _clip_layers(self, grads: Sequence[torch.Tensor], radii: LayerRadii, acc: Sequence[torch.Tensor],
+                     weights: torch.Tensor | None, norms: torch.Tensor | None) -> int:
+        """Per-layer clipping of materialised per-sample gradients: each group of ``radii`` clipped on its
+        own by the fused kernel (so record i's terms in group l have norm at most ``C_l`` after rounding),
+        after every record that is not finite in some group has been dropped from all of them (the policy
+        drops the record, not a part of it). ``norms`` receives ``sqrt(sum_l ||w_i g_il||^2)``."""
+        radii.check_covers(len(grads))
+        batch = len(grads[0])
+        bad = torch.zeros(batch, dtype=torch.bool, device=grads[0].device)
+        for g in grads:
+            bad |= ~torch.isfinite(g.reshape(batch, -1)).all(dim=1)
+        if weights is not None:
+            bad |= ~torch.isfinite(weights)
+        count = int(bad.sum())
+        if count and self.nonfinite == "raise":
+            raise ops.NonFiniteError(f"per-layer clipping: {count} sample(s) have non-finite gradients")
+        if count:  # dropped from every group; their norms are reported as NaN
+            grads = [torch.where(bad.view(-1, *([1] * (g.dim() - 1))), torch.zeros_like(g), g) for g in grads]
+            if weights is not None:
+                weights = torch.where(bad, torch.zeros_like(weights), weights)
+        squares = torch.zeros(batch, dtype=torch.float64, device=grads[0].device)
+        for group, radius in zip(radii.groups, radii.radii):
+            part = torch.empty(batch, dtype=grads[0].dtype, device=grads[0].device)
+            ops.clip_accumulate([grads[k] for k in group], radius, [acc[k] for k in group], weights=weights,
+                                norms=part, nonfinite=self.nonfinite)
+            squares += part.to(torch.float64) ** 2
+        if norms is not None:
+            whole = squares.sqrt()
+            norms.copy_(torch.where(bad, torch.full_like(whole, math.nan), whole))
+        return count
 
     def diff_sum(
         self,

@@ -334,6 +334,32 @@ class DPSGDPlan(Plan):
 
 
 @dataclass(frozen=True)
+class AdaptiveClipDPSGDPlan(DPSGDPlan):
+    """DP-SGD with private adaptive clipping (Andrew et al. 2021; :class:`dpvr.optim.DPSGD` with
+    ``clipping="adaptive"``): each step releases the noisy clipped gradient sum (stream ``"gradient"``) and,
+    on the same batch, the noisy shifted count ``sum_i (1[||g_i|| <= C] - 1/2) + N(0, sigma_b^2)`` (stream
+    ``"clip-count"``, noise multiplier ``2 sigma_b``): one record moves the shifted count by at most ``1/2``
+    under add/remove and ``1`` under replace-one, dpvr's unit and twice it, as for a clipped gradient
+    (unshifted, the count would move by 1 under both relations: worse under add/remove).
+
+    The two streams form one group: one Gaussian on the concatenated release per step, with
+    ``1/z**2 = 1/z_gradient**2 + 1/z_count**2`` (the record that moves one part moves the other, so the
+    parts are not priced as independent releases, and the group is not priced as two sampled releases).
+
+    Guarantee: the composition of ``steps`` (sampled) Gaussian mechanisms with the group's noise multiplier.
+    """
+
+    _vectors: ClassVar = {"clip-count": "scalar"}
+
+    def _streams(self, noise):
+        return (_stream(noise, "gradient", self.steps, self.batch_sampling, "step")
+                + _stream(noise, "clip-count", self.steps, self.batch_sampling, "step"))
+
+    def exposures(self) -> dict[str, float]:
+        return {"gradient": 1.0, "clip-count": 1.0}
+
+
+@dataclass(frozen=True)
 class DIFF2Plan(Plan):
     """DIFF2 (Murata & Suzuki 2023) with GD or BVR-L-SGD routine, record-level DP w.r.t. each client.
 

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ... import ops
 from ..fields import Fields, as_inputs, cat, model_args
 from ..fields import leaves as data_leaves
+from ..layer_clip import LayerRadii
 from ..materialized import Grads, LossFn, _check_point, clip_dtype, trainable_parameters
 from . import norms as torch_norms
 from .fallback import VjpRule
@@ -275,11 +276,14 @@ class GhostClipper:
             return "ghost"
         return "materialised" if not self.supported_layers else "mixed"
 
-    def clipped_sum(self, inputs: Tensor, targets: Tensor, clip: float, *, weights: Tensor | None = None,
-                    params: Sequence[Tensor] | None = None, wide: bool = False) -> ClippedSum:
+    def clipped_sum(self, inputs: Tensor, targets: Tensor, clip: float | LayerRadii, *,
+                    weights: Tensor | None = None, params: Sequence[Tensor] | None = None,
+                    wide: bool = False) -> ClippedSum:
         """``sum_i c_i w_i g_i`` with ``g_i`` the gradient of sample i's loss at ``params`` (default: the
         model's own values) and ``c_i = min(1, C / ||w_i g_i||)`` by the rule of
-        :func:`dpvr.ops.clip_accumulate`: each sample's contribution has norm at most ``clip``.
+        :func:`dpvr.ops.clip_accumulate`: each sample's contribution has norm at most ``clip``. ``clip``
+        may be a :class:`~dpvr.grads.layer_clip.LayerRadii` (per-layer clipping): each group of parameters
+        is then clipped to its own radius, and a sample's contribution has norm at most ``clip.total``.
 
         ``weights`` (``(B,)``, the parameters' dtype and device) scale samples before the norm (DRO
         re-weighting); the returned norms are ``||w_i g_i||``. The sums are accumulated over records in
@@ -325,7 +329,9 @@ class GhostClipper:
 
     @staticmethod
     def _check_batch(inputs: Tensor | Fields, targets: Tensor | Fields, clip: float) -> int:
-        if not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
+        if isinstance(clip, LayerRadii):  # each radius checked when it was made
+            pass
+        elif not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
             raise ValueError(f"clip: must be a finite number > 0, got {clip!r}")
         if not isinstance(inputs, (Tensor, Fields)) or not isinstance(targets, (Tensor, Fields)):
             raise TypeError("inputs and targets must be tensors (or Fields: a dict or tuple of tensors)")
@@ -622,9 +628,11 @@ class GhostClipper:
         without a difference form of its own) rather than reading its recorded calls."""
         return materialised or type(layer.rule).difference is GhostRule.difference
 
-    def _clip(self, parts: list[tuple[int, Part | Tied]], clip: float, weights: Tensor | None,
+    def _clip(self, parts: list[tuple[int, Part | Tied]], clip: float | LayerRadii, weights: Tensor | None,
               batch: int, wide: bool = False) -> tuple[Grads, Tensor]:
-        """The clipped sums of ``parts`` and the norms of the samples' vectors.
+        """The clipped sums of ``parts`` and the norms of the samples' vectors (per group of parameters, each
+        to its own radius, when ``clip`` is a :class:`~dpvr.grads.layer_clip.LayerRadii`:
+        :meth:`_clip_layers`).
 
         The bound, in the parameters' dtype T (unit roundoff u): what is written for one sample alone (the
         sum of a batch of one) has norm at most ``clip``.
@@ -656,6 +664,18 @@ class GhostClipper:
         (relative ``2^-53`` per addition), not float32 ones. ``wide``: return the sums in float64 (to be
         kept so until the noise is added); else they are rounded to T once.
         """
+        if isinstance(clip, LayerRadii):
+            return self._clip_layers(parts, clip, weights, batch, wide)
+        parts, factors, norms, dirty = self._factors(parts, clip, weights, batch)
+        if dirty:
+            bad = torch.isnan(norms)  # factor 0, but 0 * NaN is NaN inside a matmul: clear their rows
+            parts = [(k, p.drop(bad)) for k, p in parts]
+        return self._sums(parts, factors.to(torch.float64), wide), norms
+
+    def _factors(self, parts: list[tuple[int, Part | Tied]], clip: float, weights: Tensor | None,
+                 batch: int) -> tuple[list[tuple[int, Part]], Tensor, Tensor, bool]:
+        """Steps 1 and 2 of :meth:`_clip` for ``parts``: the coalesced parts, the factors (dtype T), the norm
+        bounds ``n_i`` (NaN: a non-finite sample) and whether a sample may be non-finite."""
         dtype = self._dtype
         parts = [(k, p.coalesced() if isinstance(p, (Rows, Tied)) else p) for k, p in parts]
         if self.backend == "native":
@@ -690,19 +710,59 @@ class GhostClipper:
             if weights is not None:
                 measured = measured * weights.to(torch.float64).abs()
             norms = torch.where(torch.isnan(norms), norms, measured.to(dtype))
-        if dirty:
-            bad = torch.isnan(norms)  # factor 0, but 0 * NaN is NaN inside a matmul: clear their rows
-            parts = [(k, p.drop(bad)) for k, p in parts]
+        return parts, factors, norms, dirty
+
+    def _sums(self, parts: list[tuple[int, Part]], wide_factors: Tensor | list[Tensor], wide: bool) -> Grads:
+        """Step 3 of :meth:`_clip`: every parameter's clipped sum (zeros for a parameter without a part).
+        ``wide_factors``: the factors stored in T, widened to float64; per part (a list) under per-layer
+        clipping."""
+        dtype = self._dtype
         sums: list[Tensor | None] = [None] * len(self._named)
         # The sums over records in float64, from the factors stored in T (widened exactly): a float32 sum
         # rounds at the magnitude of its partial sums, so one record could move it by more than its clipped
         # norm (by roundings that grow with the batch); in float64 these stay below 2^-53 of the partial
         # sums. Rounded to T once, unless the caller keeps them in float64 (``wide``) until the noise.
-        wide_factors = factors.to(torch.float64)
         with torch.no_grad():
-            for k, p in parts:
-                total = p.total(wide_factors, self._named[k][1].shape)
+            for j, (k, p) in enumerate(parts):
+                f = wide_factors[j] if isinstance(wide_factors, list) else wide_factors
+                total = p.total(f, self._named[k][1].shape)
                 sums[k] = total if wide else total.to(dtype)
         zeros = torch.float64 if wide else dtype
-        return [torch.zeros_like(p, dtype=zeros) if s is None else s
-                for s, (_, p) in zip(sums, self._named)], norms
+        return [torch.zeros_like(p, dtype=zeros) if s is None else s for s, (_, p) in zip(sums, self._named)]
+
+    def _clip_layers(self, parts: list[tuple[int, Part | Tied]], radii: LayerRadii, weights: Tensor | None,
+                     batch: int, wide: bool) -> tuple[Grads, Tensor]:
+        """Per-layer clipping: each group of ``radii`` clipped on its own to its radius, by
+        :meth:`_factors` on the group's parts alone, so record i's terms in group l are its group vector
+        times a factor ``f_il`` and have norm at most ``C_l`` (the bound of :meth:`_clip`, step 3, holds per
+        group). A record that is not finite in one group contributes nothing to any group (the non-finite
+        policy drops the record, not a part of it). The norms returned are ``sqrt(sum_l n_il^2)``, the
+        whole per-record gradient's."""
+        radii.check_covers(len(self._named))
+        group_of = {k: g for g, ks in enumerate(radii.groups) for k in ks}
+        by_group: list[list[tuple[int, Part | Tied]]] = [[] for _ in radii.groups]
+        for k, p in parts:
+            by_group[group_of[k]].append((k, p))
+        formed, factors, norms_sq, dirty = [], [], None, False
+        for group, radius in zip(by_group, radii.radii):
+            if not group:
+                continue
+            got, f, n, d = self._factors(group, radius, weights, batch)
+            formed.append(got)
+            factors.append(f)
+            dirty = dirty or d
+            square = n.to(torch.float64) ** 2
+            norms_sq = square if norms_sq is None else norms_sq + square
+        assert norms_sq is not None  # every trainable parameter has a part
+        norms = norms_sq.sqrt().to(self._dtype)  # NaN where any group was not finite
+        flat: list[tuple[int, Part]] = []
+        flat_factors: list[Tensor] = []
+        bad = torch.isnan(norms) if dirty else None
+        for got, f in zip(formed, factors):
+            wide_f = f.to(torch.float64)
+            if bad is not None:
+                wide_f = torch.where(bad, torch.zeros_like(wide_f), wide_f)
+                got = [(k, p.drop(bad)) for k, p in got]
+            flat += got
+            flat_factors += [wide_f] * len(got)
+        return self._sums(flat, flat_factors, wide), norms
