@@ -250,7 +250,7 @@ def test_private_diff_protocol_is_theorem_6s_proof_with_the_accountants_constant
     """tau = (sqrt(3c/2) G^2 sqrt(d) / (gap L N))^(2/3), R = max(1/tau, N / sqrt(6 c d tau)),
     T = round(tau R), eta = 1 / (2 L max(1, sqrt(2 T d) z2 / N)) and the bound, computed here from the
     formulas; with the problem's l, mu and gradient range the rounds stop at
-    R_y = sqrt(2 gap L / (3 c)) N mu / (l range)."""
+    R_y = sqrt(2 gap L / (3 c)) 2 N mu / (l range)."""
     n, d, g, lip, gap = 200_000, 10, 0.65, 6.0, 0.3
     c = noise_constant(1.0, 1e-6)
     tau = (math.sqrt(1.5 * c) * g**2 * math.sqrt(d) / (gap * lip * n)) ** (2 / 3)
@@ -264,7 +264,7 @@ def test_private_diff_protocol_is_theorem_6s_proof_with_the_accountants_constant
     assert p.tau == pytest.approx(tau, rel=1e-12) and p.lr == pytest.approx(lr, rel=1e-12)
     assert p.bound == pytest.approx(2 * gap / (lr * rounds) + 2 * d * (z1 * g / n) ** 2, rel=1e-12)
     cross, mu, spread = 2.0, 1.0, 1.0
-    r_y = math.sqrt(2 * gap * lip / (3 * c)) * n * mu / (cross * spread)
+    r_y = math.sqrt(2 * gap * lip / (3 * c)) * 2 * n * mu / (cross * spread)  # noise std z_y Delta / 2
     q = private_diff_protocol(n, d, 1.0, 1e-6, g, lip, gap, cross=cross, strong_concavity=mu, y_range=spread)
     assert q.rounds == min(rounds, math.ceil(r_y))
     assert q.bound > private_diff_protocol(n, d, 1.0, 1e-6, g, lip, gap, rounds=q.rounds).bound

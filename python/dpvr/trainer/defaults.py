@@ -28,16 +28,16 @@ with every ``O(.)`` constant 1). Its three streams (checkpoint, difference, y) s
 (:func:`private_diff_noise`); the step is the proof's ``eta = 1 / (2 L max(1, sqrt(2 T d) z2 / N))`` with
 ``L = l + kappa l`` (``Phi``'s smoothness, the difference radius), the bound
 
-    E||grad Phi||^2 <= 2 gap / (eta R) + 2 d (z1 G / N)^2 + 2 l^2 d_y (z_y Delta)^2,
+    E||grad Phi||^2 <= 2 gap / (eta R) + 2 d (z1 G / N)^2 + 2 l^2 d_y (z_y Delta / 2)^2,
 
 and its least ``tau = (sqrt(3c/2) G^2 sqrt(d) / (gap L N))^(2/3)``, ``R = max(1/tau, N / sqrt(6 c d tau))``
 (:func:`private_diff_protocol`). The last term is dpvr's, not the paper's: dpvr releases ``y_{r+1}`` (noise
-``z_y`` over its sensitivity ``Delta = gradient_range / (N mu)``) before the x-gradient reads it, and that
-noise reaches the x-gradient through ``grad_xy f`` (``||.|| <= l``). It grows with ``R``, so when the
+std ``z_y Delta / 2``, ``Delta = gradient_range / (N mu)`` its sensitivity) before the x-gradient reads it,
+and that noise reaches the x-gradient through ``grad_xy f`` (``||.|| <= l``). It grows with ``R``, so when the
 problem's ``l``, ``mu`` and ``gradient_range`` are known the rounds are ``min(R, R_y)``, ``R_y`` the least of
-``4 gap L / R + 6 c l^2 d_y Delta^2 R``: past ``R_y`` the y-noise is a DP-GD-like floor of order
-``sqrt(c d_y) / N`` (:func:`private_diff_protocol` documents it). DP-SGDA's counterpart is Theorem 2's
-bound (41) with ``log(1/delta) / eps^2`` read as ``2c`` (two equal streams): :func:`dpsgda_protocol`.
+``4 gap L / R + 6 c l^2 d_y (Delta / 2)^2 R``: past ``R_y`` the y-noise is a DP-GD-like floor of order
+``sqrt(c d_y) / N`` (:func:`private_diff_protocol` documents it). DP-SGDA's counterpart is Theorem 2's bound
+(41) with ``log(1/delta) / eps^2`` read as ``2c`` (two equal streams): :func:`dpsgda_protocol`.
 
 The SPIDERs (DP-DRO Theorems 7 and 8) read ``log(1/delta) / epsilon^2`` as ``k c``, ``k`` the algorithm's
 number of streams sharing the budget equally (4 for Double-SPIDER, 5 for Recursive-SPIDER; the theorems
@@ -261,14 +261,15 @@ def private_diff_protocol(n: int, dimension: int, epsilon: float, delta: float, 
     ``rounds`` ``None``: the theorem's ``R = max(1/tau, N / sqrt(6 c d tau))``; with the problem's ``cross``
     (``l``, a bound on ``||grad_xy f||``), ``strong_concavity`` (``mu``) and ``y_range`` (the
     ``gradient_range`` of :class:`~dpvr.problems.minimax.YSensitivity`) also the y-release's
-    ``R_y = sqrt(2 gap L / (3 c d_y)) / (l Delta)``, ``Delta = y_range / (N mu)``, and ``R = min(R, R_y)``:
-    the y-noise dpvr adds before the x-gradient reads ``y`` costs ``2 l^2 d_y z_y^2 Delta^2`` with ``z_y^2 =
-    3 c R``, which the paper's proof does not have (its x-gradient reads the noiseless ``y``). ``bound``
-    includes that term when the constants are given."""
+    ``R_y = sqrt(2 gap L / (3 c d_y)) / (l s)``, ``s = y_range / (2 N mu)`` (half the release's replace-one
+    sensitivity: the unit dpvr's multiplier is relative to), and ``R = min(R, R_y)``: the y-noise dpvr adds
+    before the x-gradient reads ``y`` costs ``2 l^2 d_y (z_y s)^2`` with ``z_y^2 = 3 c R``, which the
+    paper's proof does not have (its x-gradient reads the noiseless ``y``). ``bound`` includes that term
+    when the constants are given."""
     c, total = noise_constant(epsilon, delta, accountant), n
     tau = private_diff_tau(total, dimension, c, lipschitz, smoothness, gap)
     with_y = None not in (cross, strong_concavity, y_range)
-    spread = y_range / (total * strong_concavity) if with_y else 0.0
+    spread = y_range / (2 * total * strong_concavity) if with_y else 0.0
     if rounds is None:
         t = min(tau, 1.0)
         rounds = math.ceil(max(1.0 / t, total / math.sqrt(6 * c * dimension * t)))
