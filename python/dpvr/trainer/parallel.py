@@ -230,6 +230,12 @@ class DataParallel:
                 "which no process can check over a process group (each sees its share's norms); keep "
                 "clipping=True, or run it in one process"
             )
+        if settings.get("clipping") == "adaptive":
+            raise ValueError(
+                "clipping: 'adaptive' releases a count of the batch's records whose gradient norm is at most "
+                "the radius, which is not all-reduced over a process group here; use clipping=True or "
+                "'per_layer' (both all-reduced), or run it in one process"
+            )
 
     def runtime(self, runtime: RuntimeConfig) -> RuntimeConfig:
         """``runtime`` with one sampler seed and one noise generator for every process: drawn on rank 0 and
