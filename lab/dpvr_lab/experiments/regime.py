@@ -268,6 +268,9 @@ def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--paper", choices=("diff2", "private-diff"), default="diff2",
+                        help="diff2: DIFF2-GD vs DP-GD (default); private-diff: PrivateDiff vs DP-SGDA on an "
+                             "NC-SC minimax problem (dpvr_lab.experiments.regime_minimax)")
     parser.add_argument("--n", type=int, nargs="+", metavar="N", help="dataset sizes (default: 1e4 to 1e6)")
     parser.add_argument("--dimension", type=int, default=10, metavar="D", help="dimension d (default 10)")
     parser.add_argument("--atoms", type=int, default=500, metavar="M", help="distinct records (default 500)")
@@ -278,6 +281,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "paper", "diff2") == "private-diff":
+        from . import regime_minimax
+
+        return regime_minimax.run(args)
     quick = bool(args.quick)
     sizes = list(args.n or (QUICK_SIZES if quick else SIZES))
     epsilons = list(args.epsilon or ((1.0, 4.0) if quick else EPSILONS))
@@ -334,8 +341,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def summarise(norms, sizes, epsilons, d, gap, protocols) -> dict[str, Any]:
-    """Exponents per method, protocol and epsilon; the crossover per protocol (all epsilons pooled)."""
+def summarise(norms, sizes, epsilons, d, gap, protocols, methods=METHODS, theory=None) -> dict[str, Any]:
+    """Exponents per method, protocol and epsilon; the crossover of ``methods[0]`` against ``methods[1]`` per
+    protocol (all epsilons pooled), beside ``theory(epsilon)`` (default: DIFF2's against DP-GD's bound)."""
+    theory = theory or (lambda e: theory_crossover(d, e, gap))
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"exponents": [], "crossovers": []}
     for (label, _, epsilon), per_n in sorted(norms.items()):
@@ -344,8 +353,8 @@ def summarise(norms, sizes, epsilons, d, gap, protocols) -> dict[str, Any]:
     for protocol in protocols:
         coords, ratios = [], []
         for epsilon in epsilons:
-            a = np.stack(norms[(f"DIFF2-GD ({protocol})", "", epsilon)])
-            b = np.stack(norms[(f"DP-GD ({protocol})", "", epsilon)])
+            a = np.stack(norms[(f"{methods[0]} ({protocol})", "", epsilon)])
+            b = np.stack(norms[(f"{methods[1]} ({protocol})", "", epsilon)])
             coords += [n * epsilon / math.sqrt(d) for n in sizes]
             ratios.append(np.log(a / b))
         point, lo, hi, slope = crossover(np.asarray(coords), np.concatenate(ratios), rng)
@@ -354,7 +363,7 @@ def summarise(norms, sizes, epsilons, d, gap, protocols) -> dict[str, Any]:
             "protocol": protocol, "coordinate": point, "lo": lo, "hi": hi, "slope": slope,
             "measured_from": min(coords), "measured_to": max(coords),
             "median_ratio_at": wins,
-            "theory": {str(e): theory_crossover(d, e, gap) for e in epsilons},
+            "theory": {str(e): theory(e) for e in epsilons},
         })
     return out
 
@@ -376,7 +385,7 @@ def print_tables(summary, norms, sizes, epsilons, d) -> None:
           ", ".join(f"{e}: {v:.3g}" for e, v in c["theory"].items())] for c in summary["crossovers"]]))
 
 
-def plot(path: str, norms, sizes, epsilons, d, summary) -> str:
+def plot(path: str, norms, sizes, epsilons, d, summary, methods=METHODS, measure="||grad f(x_R)||") -> str:
     from matplotlib.figure import Figure
 
     protocols = sorted({label.split(" (")[1][:-1] for (label, _, _) in norms})
@@ -384,7 +393,7 @@ def plot(path: str, norms, sizes, epsilons, d, summary) -> str:
     axes = fig.subplots(1, len(protocols), squeeze=False)[0]
     markers = {e: mk for e, mk in zip(sorted(epsilons), "osD^v")}
     for ax, protocol in zip(axes, protocols):
-        for method, colour in zip(METHODS, ("C3", "C0")):
+        for method, colour in zip(methods, ("C3", "C0")):
             xs, ys = [], []
             for epsilon in epsilons:
                 per_n = np.stack(norms[(f"{method} ({protocol})", "", epsilon)])
@@ -400,7 +409,7 @@ def plot(path: str, norms, sizes, epsilons, d, summary) -> str:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("n eps / sqrt(d)")
-        ax.set_ylabel("||grad f(x_R)|| (median of seeds)")
+        ax.set_ylabel(f"{measure} (median of seeds)")
         ax.set_title(f"{protocol} protocol, d={d}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
