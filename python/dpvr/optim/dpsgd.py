@@ -34,6 +34,32 @@ class DPSGD(PrivateAlgorithm):
     ``N(0, (z * clip)^2 I)`` to the sum and steps ``x <- x - lr * noisy_sum / batch_size`` (the public,
     expected batch size).
 
+    Clipping policies (``clipping``; :mod:`dpvr.optim.clipping`):
+
+    - ``True`` / ``"flat"`` (default): each record's whole gradient clipped to one radius ``C``.
+    - ``"per_layer"``: each record's gradient on parameter group ``l`` clipped to ``C_l`` on its own (the
+      ghost, mixed and materialised paths alike), so one record moves the sum by at most
+      ``C = sqrt(sum_l C_l^2)`` (add/remove; replace-one ``2C``), and the noise is ``N(0, (z C)^2 I)``:
+      priced exactly as flat clipping at that ``C``. ``clip`` is a list (one radius per trainable parameter
+      tensor, ``model.named_parameters()`` order), a dict ``{parameter or module name: C_l}`` (a module's
+      name covers its parameters; the longest name wins; ``""`` is the whole model) or one number ``C``,
+      split equally as ``C / sqrt(k)`` over the ``k`` tensors (the same noise as flat clipping at ``C``).
+    - ``"adaptive"`` (Andrew et al. 2021): the radius follows the ``target_quantile`` ``gamma`` of the
+      per-record gradient norms. ``clip`` is the initial radius ``C_0``. Each step releases, on its batch,
+      the clipped sum at the radius in force ``C_t`` with ``N(0, (z_g C_t)^2 I)`` and the count
+      ``sum_i (1[||g_i|| <= C_t] - 1/2) + N(0, count_noise^2)``, then sets
+      ``C_{t+1} = C_t exp(-clip_lr (b_t - gamma))`` with ``b_t = (count + B/2) / B`` for the public batch size
+      ``B``. ``C_t`` is a function of ``C_0`` and of the counts released before step ``t`` only
+      (post-processing), never of the data directly. The shifted count moves by at most ``1/2`` (add/remove)
+      or ``1`` (replace-one), half a clipped gradient's unit under either relation, so the pair is one
+      Gaussian with ``1/z^2 = 1/z_g^2 + 1/(2 count_noise)^2``; the gradient's multiplier is raised to
+      ``z_g = (z^-2 - (2 count_noise)^-2)^-1/2`` so that each step costs exactly one release at ``z`` (the
+      given or calibrated noise). ``self.noise`` holds both streams, ``"gradient"`` (``z_g``) and
+      ``"clip-count"`` (``2 count_noise``), and the accountant records their group per step
+      (:class:`~dpvr.privacy.events.AdaptiveClipDPSGDPlan`). The radius is in the checkpoints; each step's
+      info has ``clip`` (the radius it used) and ``unclipped`` (the released fraction ``b_t``), both
+      functions of releases.
+
     What shapes a release is public under the relation in force. Under add/remove the dataset size ``n``
     is private: the sampling rate ``batch_size / N``, random allocation's epoch and divisor, and the noise
     calibrated to them read the public size ``N = privacy.public_dataset_size`` (required for add/remove),
@@ -55,7 +81,8 @@ class DPSGD(PrivateAlgorithm):
             :class:`~dpvr.optim.records.Records` holding inputs and targets.
         targets: the records' targets (one row per input); omitted with ``Records``.
         lr: the SGD step size; required without ``optimizer``, not given with one.
-        clip: the per-sample clip radius ``C`` (L2, > 0).
+        clip: the per-sample clip radius ``C`` (L2, > 0); under ``clipping="per_layer"`` also a list or dict
+            of per-group radii (above); under ``"adaptive"`` the initial radius.
         steps: the number of steps ``T`` (the planned run that is accounted).
         batch_size: the (expected) batch size ``b``, the public normaliser: Poisson rate ``b / n``,
             fixed-size ``"wor"`` and cyclic batches of ``b``; unused with ``"full"``.
@@ -68,11 +95,18 @@ class DPSGD(PrivateAlgorithm):
             bound); refused otherwise.
         weak_convexity: the losses' weak-convexity constant ``m`` (needed with ``"cyclic"``).
         smoothness: the losses' upper-smoothness constant ``M`` (needed with ``"cyclic"``).
-        clipping: ``False`` (``"cyclic"`` only; refused with the other schemes, whose accounting needs the
-            clipping) asserts that no per-example gradient norm ever exceeds
-            ``clip`` (a known Lipschitz bound, e.g. unit-norm features for logistic regression), which gives
-            the much smaller bound of Theorem 2.3 eq. (19); every step verifies the assertion and stops the
-            run (releasing nothing more) if a gradient breaks it. Default ``True``.
+        clipping: ``True`` or ``"flat"`` (default), ``"per_layer"`` or ``"adaptive"`` (above; both refused
+            with ``"cyclic"``, whose last-iterate bound is for one fixed radius), or ``False`` (``"cyclic"``
+            only; refused with the other schemes, whose accounting needs the clipping): it asserts that no
+            per-example gradient norm ever exceeds ``clip`` (a known Lipschitz bound, e.g. unit-norm
+            features for logistic regression), which gives the much smaller bound of Theorem 2.3 eq. (19);
+            every step verifies the assertion and stops the run (releasing nothing more) if a gradient
+            breaks it.
+        target_quantile: ``"adaptive"`` only: the fraction ``gamma`` in (0, 1) of records to leave unclipped
+            (default 0.5).
+        clip_lr: ``"adaptive"`` only: the radius's geometric step ``eta_C > 0`` (default 0.2).
+        count_noise: ``"adaptive"`` only: the count's noise std ``sigma_b``, more than ``z / 2`` (default
+            ``batch_size / 20``, Andrew et al.'s choice; the full batch's ``n`` with ``"full"``).
         bound: the accounting of the cyclic run: ``"last-iterate"`` (default), ``"composition"`` (plain
             composition of the passes, valid for every iterate) or ``"best"`` (the smaller).
         optimizer: any ``torch.optim.Optimizer`` over the model's trainable parameters; it steps on the
@@ -87,23 +121,30 @@ class DPSGD(PrivateAlgorithm):
             model, loss and data, as given).
 
     Raises:
-        ValueError: ``clip <= 0``; ``clipping`` not a bool (per-layer clipping is not implemented), or
-            ``False`` without ``"cyclic"``; ``optimizer`` with ``sampling="cyclic"``; a bad ``lr`` (``<= 0``,
+        ValueError: ``clip <= 0`` (or a per-layer radius ``<= 0``, a list whose length is not the number of
+            trainable tensors, a dict name matching no parameter or leaving one uncovered); an unknown
+            ``clipping``, ``False`` without ``"cyclic"``, ``"per_layer"``/``"adaptive"`` with ``"cyclic"``;
+            ``target_quantile`` outside (0, 1), ``clip_lr <= 0``, ``count_noise <= z / 2``, or these settings
+            without ``"adaptive"``; ``optimizer`` with ``sampling="cyclic"``; a bad ``lr`` (``<= 0``,
             missing without an optimizer, or given with one); ``sampling="full"`` under ``"add-remove"``;
             ``"cyclic"`` without ``weak_convexity`` and ``smoothness``, or with a step size the theorems do
             not cover, or an unknown ``bound``; ``prox`` without ``"cyclic"``; an unknown ``sampling`` or a
             batch size it cannot use; noise that is neither given nor calibratable.
-        TypeError: ``clip`` not a number (one radius for the whole per-record gradient);
+        TypeError: ``clip`` not a number (one radius for the whole per-record gradient) outside
+            ``"per_layer"``, or a per-layer radius that is not a number;
             ``privacy``/``runtime`` of the wrong type, ``optimizer`` not a ``torch.optim.Optimizer``,
             or ``targets`` given with ``Records``.
-        RuntimeError: (at a step) under ``clipping=False``, a per-example gradient norm exceeded ``clip``.
+        RuntimeError: (at a step) under ``clipping=False``, a per-example gradient norm exceeded ``clip``;
+            under ``"adaptive"``, the radius left the floating-point range.
         BudgetExhaustedError: (at a step) the release would exceed ``privacy.epsilon``.
 
     Guarantee:
         The composition of ``steps`` sampled Gaussian mechanisms with noise multiplier ``z`` under the
         neighbouring relation (default: add/remove for Poisson, replace-one otherwise), recorded step by step
-        in ``self.accountant``; a step that would exceed ``epsilon`` raises
-        :class:`~dpvr.optim.base.BudgetExhaustedError` before anything is released. Under
+        in ``self.accountant`` (per-layer: at the total radius; adaptive: each step's pair of releases as one
+        Gaussian at ``z``, composed adaptively, the radius in force being chosen from earlier releases); a
+        step that would exceed ``epsilon`` raises :class:`~dpvr.optim.base.BudgetExhaustedError` before
+        anything is released. Under
         ``sampling="cyclic"``: the last iterate only, by the last-iterate bound chosen by ``bound``.
     """
 
