@@ -30,7 +30,8 @@ from dpvr.privacy import (
     PrivateDiffPlan,
     calibrate,
 )
-from dpvr.privacy.random_allocation import RandomAllocationDpEvent, random_allocation_gaussian_pld
+from dpvr.privacy.pld.random_allocation import random_allocation_gaussian_pld
+from dpvr.privacy.random_allocation import RandomAllocationDpEvent
 
 DELTA = 1e-5
 

@@ -23,9 +23,9 @@ from dp_accounting.pld import pld_privacy_accountant, privacy_loss_mechanism
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpvr.privacy import Accountant, account
-from dpvr.privacy import accountant as accountant_module
-from dpvr.privacy.pld_numerics import dense_parts, pmfs
-from dpvr.privacy.subsampling import PLD_DISCRETIZATION, _gaussian_deltas, gaussian_pld
+from dpvr.privacy.pld import composition as composition_module
+from dpvr.privacy.pld.adapter import accountant_pld, dense_parts, pmfs
+from dpvr.privacy.pld.subsampling import PLD_DISCRETIZATION, _gaussian_deltas, gaussian_pld
 
 SIGMAS = (0.4, 0.6, 1.0, 2.0, 5.0, 10.0)
 RATES = (1e-4, 1e-3, 1e-2, 0.1, 1.0)
@@ -34,7 +34,7 @@ DELTAS = (1e-5, 1e-6)
 GRID = [(z, q, t) for z in SIGMAS for q in RATES for t in STEPS]
 #: The issue's looser cases (sparse, low rate, long) and a few others, for the default run.
 FAST = [(2.0, 1e-4, 10000), (5.0, 0.01, 10000), (10.0, 0.01, 10000), (0.6, 1e-4, 100), (1.0, 0.1, 10)]
-CAP = accountant_module._MAX_PLD_POINTS
+CAP = composition_module._MAX_PLD_POINTS
 
 
 def _event(z: float, q: float) -> dpa.DpEvent:
@@ -63,7 +63,7 @@ def _dpvr(z: float, q: float, t: int) -> Accountant:
 
 def _stock_points(acc: pld_privacy_accountant.PLDAccountant) -> int:
     """The grid points stock's composed distribution holds, in its larger direction."""
-    return max(dense_parts(pmf)[1].size for pmf in pmfs(acc._pld))  # noqa: SLF001
+    return max(dense_parts(pmf)[1].size for pmf in pmfs(accountant_pld(acc)))
 
 
 # -- item 3: the discretised hockey-stick curve is dp_accounting's, to the bit ----------------------------

@@ -8,8 +8,9 @@ from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpvr.privacy import pld_numerics
-from dpvr.privacy.subsampling import _dense, gaussian_pld
+from dpvr.privacy.pld import numerics as pld_numerics
+from dpvr.privacy.pld.adapter import directions
+from dpvr.privacy.pld.subsampling import _dense, gaussian_pld
 
 # (noise, sensitivity, sampling rate, grid): small rates with few and many points, a plain Gaussian.
 CASES = [(0.9, 1.0, 2.6e-4, 1e-3), (1.5, 1.0, 0.05, 1e-4), (4.0, 2.0, 1.0, 1e-4), (0.7, 1.0, 0.01, 1e-2)]
@@ -47,7 +48,7 @@ def test_self_convolve_bounds_are_dp_accountings(case, count):
     """The grid the accountant plans for a self-composition is the one dp_accounting allocates."""
     noise, sensitivity, rate, grid = case
     pld = gaussian_pld(noise, sensitivity, rate, grid)
-    for pmf in (pld._pmf_remove, pld._pmf_add):
+    for pmf in directions(pld):
         probs = _dense(pmf)[1]
         expected = pld_common.compute_self_convolve_bounds(probs, count, 1e-15)
         assert pld_numerics.self_convolve_bounds(probs, count, 1e-15) == expected
@@ -59,8 +60,8 @@ def test_self_compose_is_dp_accountings(case, count):
     noise, sensitivity, rate, grid = case
     pld = gaussian_pld(noise, sensitivity, rate, grid)
     ours, theirs = pld_numerics.self_compose(pld, count), pld.self_compose(count)
-    _same_pmf(ours._pmf_remove, theirs._pmf_remove)
-    _same_pmf(ours._pmf_add, theirs._pmf_add)
+    for mine, reference in zip(directions(ours), directions(theirs)):
+        _same_pmf(mine, reference)
 
 
 @pytest.mark.parametrize("count", [1, 50, 3000])

@@ -16,9 +16,10 @@ from dpvr.privacy import (
     PrivateDiffPlan,
     calibrate,
 )
-from dpvr.privacy.accountant import pld_epsilon
-from dpvr.privacy.calibration import _PLD_RTOL
-from dpvr.privacy.subsampling import _dense, gaussian_pld
+from dpvr.privacy.pld import pld_epsilon
+from dpvr.privacy.pld.adapter import directions
+from dpvr.privacy.pld.calibration import _PLD_RTOL
+from dpvr.privacy.pld.subsampling import _dense, gaussian_pld
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,7 @@ def test_gaussian_pld_is_dp_accountings(noise, sensitivity, rate):
     theirs = privacy_loss_distribution.from_gaussian_mechanism(
         noise, sensitivity=sensitivity, sampling_prob=rate
     )
-    for mine, reference in ((ours._pmf_remove, theirs._pmf_remove), (ours._pmf_add, theirs._pmf_add)):
+    for mine, reference in zip(directions(ours), directions(theirs)):
         loss, prob, infinity = _dense(mine)
         loss_ref, prob_ref, infinity_ref = _dense(reference)
         np.testing.assert_array_equal(loss, loss_ref)

@@ -23,19 +23,21 @@ from scipy.stats import norm
 from dpvr.cli import account as account_cli
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import Accountant, DPSGDPlan, account
-from dpvr.privacy.random_allocation import (
-    RandomAllocationDpEvent,
+from dpvr.privacy.pld.adapter import directions
+from dpvr.privacy.pld.random_allocation import (
     _allocation_pld,
     _sum_law,
     _weights,
     random_allocation_gaussian_pld,
 )
+from dpvr.privacy.random_allocation import RandomAllocationDpEvent
 
 EPSILONS = (0.0, 0.25, 0.5, 1.0, 2.0)
 
 
 def _directions(pld: pld_lib.PrivacyLossDistribution, eps: float) -> tuple[float, float]:
-    return pld._pmf_remove.get_delta_for_epsilon(eps), pld._pmf_add.get_delta_for_epsilon(eps)  # noqa: SLF001
+    remove, add = directions(pld)
+    return remove.get_delta_for_epsilon(eps), add.get_delta_for_epsilon(eps)
 
 
 def test_one_step_is_the_gaussian():

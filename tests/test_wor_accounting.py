@@ -17,7 +17,8 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import norm, truncnorm
 
 from dpvr.privacy import Accountant, DPSGDPlan, account, calibrate
-from dpvr.privacy.subsampling import wor_gaussian_delta, wor_gaussian_pld
+from dpvr.privacy.pld.adapter import directions
+from dpvr.privacy.pld.subsampling import wor_gaussian_delta, wor_gaussian_pld
 
 EPSILONS = (-1.0, -0.3, 0.0, 0.3, 1.0, 2.0)
 
@@ -170,7 +171,7 @@ def test_pld_wor_epsilon_lies_between_the_sound_lower_bounds_and_the_rdp_bound(n
     rdp = account(plan(z), delta, accountant="rdp").epsilon
     q = b / n
     remove = pld_lib.from_gaussian_mechanism(z, sensitivity=2.0, sampling_prob=q)
-    repeated = pld_lib.PrivacyLossDistribution(remove._pmf_remove).self_compose(steps)  # noqa: SLF001
+    repeated = pld_lib.PrivacyLossDistribution(directions(remove)[0]).self_compose(steps)
     poisson_ro = account(DPSGDPlan(steps, "poisson", q, neighbouring="replace-one")(z), delta, "pld").epsilon
     poisson_ar = account(DPSGDPlan(steps, "poisson", q, neighbouring="add-remove")(z), delta, "pld").epsilon
     slack = 1e-3 * pld + 1e-4  # discretisation

@@ -16,15 +16,12 @@ tens of milliseconds.
 
 With ``accountant="pld"`` the RDP design at its best order fixes the ratios between streams (for an epsilon
 below what RDP's conversion can certify at delta, they are designed just above that floor) and the PLD
-accountant then sets their common scale (:func:`_pld_scale`): a secant search in log-epsilon against
-log-scale on a loss grid ten times coarser than the accountant's, a Richardson extrapolation of the coarse
-epsilon to the accountant's grid, and a confirmation there, where the run spends between ``(1 - 1e-3)
-epsilon`` and ``epsilon`` as the accountant composes it. A few PLD builds, about as fast as the RDP
-calibration for the usual noise levels. The confirmation is the accountant's own composition of the run (the
-same multiset of releases, the same canonical order, the same grid, coarsened as the accountant coarsens it
-for a release with little noise; :func:`~dpvr.privacy.accountant.pld_epsilon`), and its cached result is what
-the budget guard and the report of the run recorded release by release then read: no report can exceed the
-target a calibration met.
+accountant then sets their common scale (:func:`dpvr.privacy.pld.calibration.pld_scale`: a secant search on
+a coarse loss grid, a Richardson extrapolation to the accountant's grid and a confirmation there, where the
+run spends between ``(1 - 1e-3) epsilon`` and ``epsilon`` as the accountant composes it). The confirmation
+is the accountant's own composition of the run (:func:`~dpvr.privacy.pld.composition.pld_epsilon`), and its
+cached result is what the budget guard and the report of the run recorded release by release then read: no
+report can exceed the target a calibration met.
 
 ``shares="auto"`` chooses the split that minimises the error proxy of :mod:`dpvr.privacy.allocation` (the
 papers' variance terms, from public quantities only: the plan and ``dimensions={stream: length}``). At the
@@ -45,12 +42,11 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from . import _checks
-from .accountant import pld_epsilon
+from ._roots import secant_root as _secant_root
 from .allocation import proxy_weights
-from .backends import PLD, RDP
+from .backends import RDP
 from .mechanism import Mechanism, Release
 from .relations import DEFAULT_ORDERS, accountant_backend, require_supported
-from .subsampling import PLD_DISCRETIZATION
 
 
 class MechanismFactory(Protocol):
@@ -218,7 +214,7 @@ def _rdp_function(release: Release, neighbouring: str) -> Callable[[float, tuple
     """``(z, orders) -> RDP of all of the release's occurrences`` via dp_accounting's RDP accountant.
 
     A release the RDP accountant cannot price (Poisson sampling under replace-one, random allocation) is
-    measured on its RDP stand-in (:meth:`~dpvr.privacy.backends.RdpBackend.proxy`): only on the PLD path,
+    measured on its RDP stand-in (:meth:`~dpvr.privacy.rdp.RdpBackend.proxy`): only on the PLD path,
     where RDP fixes just the ratios between streams.
     """
     relation = neighbouring
@@ -405,102 +401,6 @@ class _Solver:
                 slope = (math.log(down) - math.log(up)) / (2 * step)
             slopes.update(dict.fromkeys(release.names, slope))
         return slopes
-
-
-def _secant_root(
-    gap: Callable[[float], float],
-    x: float,
-    tol: float = 1e-11,
-    *,
-    slope: float = -2.0,
-    band: tuple[float, float] = (0.0, 0.0),
-) -> tuple[float, float]:
-    """Root of a decreasing ``gap`` near ``x``: secant steps, bisection once bracketed and a step leaves it.
-
-    Every gap here is a log-RDP (or log-epsilon) against a log noise scale, close to a line of slope ``-2``
-    (RDP) or about ``-1`` (epsilon), the first step's ``slope``. Stops at a point whose gap lies in
-    ``band = (low, high)``, or after a step of at most ``tol`` (relative); returns that point and the last
-    secant slope, which starts a search of a nearby gap.
-    """
-    g = gap(x)
-    above = below = None  # the nearest points with gap > 0 (smaller x) and gap < 0 (larger x)
-    for _ in range(200):
-        if band[0] <= g <= band[1]:
-            return x, slope
-        if g > 0:
-            above = x if above is None else max(above, x)
-        else:
-            below = x if below is None else min(below, x)
-        x_new = x + min(5.0, max(-5.0, -g / slope))
-        if above is not None and below is not None and not above < x_new < below:
-            x_new = 0.5 * (above + below)
-        g_new = gap(x_new)
-        if x_new != x and (g_new - g) / (x_new - x) < 0:
-            slope = (g_new - g) / (x_new - x)
-        if abs(x_new - x) <= tol * max(1.0, abs(x_new)):
-            return x_new, slope
-        x, g = x_new, g_new
-    raise RuntimeError("noise calibration did not converge")
-
-
-#: The PLD search runs on a loss grid ten times coarser than the accountant's, where an evaluation is several
-#: times cheaper. A pessimistic connect-the-dots PLD (dp_accounting's, and dpvr's built from it) over-states
-#: epsilon by about ``k h^2`` on a grid of width ``h`` (``k`` depends on the run): the epsilon on the
-#: accountant's grid is predicted from the coarse one and one at half its width (Richardson extrapolation)
-#: to within a few 1e-5 relative. dpvr's random-allocation PLD refines its own grids down to the loss grid, so
-#: its coarse epsilon is cheaper and higher too. Where the accountant coarsens its grid (little noise), the
-#: extrapolation is off and the search on the accountant's grid takes a few more steps.
-_COARSE_INTERVAL = 10 * PLD_DISCRETIZATION
-#: A PLD calibration spends between ``(1 - _PLD_RTOL) epsilon`` and ``epsilon`` on the accountant's grid; it
-#: aims at ``(1 - _PLD_RTOL / 20) epsilon``, which the extrapolation usually hits at the first try.
-_PLD_RTOL = 1e-3
-
-
-def _pld_scale(
-    factory: MechanismFactory, noise: dict[str, float], epsilon: float, delta: float
-) -> dict[str, float]:
-    """Scale the RDP solution by the common factor at which the PLD accountant spends ``epsilon``, to within
-    a relative ``_PLD_RTOL`` below it.
-
-    A secant search in log-epsilon against log-scale (nearly linear in each other) finds the factor on the
-    coarse grid; the extrapolated epsilon on the accountant's grid and the search's last slope then give the
-    first guess there, where the same search goes on until epsilon lies in ``[(1 - _PLD_RTOL) epsilon,
-    epsilon]`` (usually at once). That last PLD is composed as :class:`~dpvr.privacy.Accountant` composes a
-    run's ledger, so the calibrated run passes the budget guard release by release and reports at most
-    ``epsilon`` (and finds its PLDs built). Guarantee: the returned noise spends at most ``epsilon`` at
-    ``delta`` as the accountant prices it, or a ``RuntimeError`` is raised.
-    """
-    require_supported(factory(noise).event, PLD.name, factory(noise).neighbouring)
-    spent: dict[tuple[float, float], float] = {}  # epsilon by (log-scale, grid width)
-
-    def log_epsilon(log_scale: float, interval: float) -> float:
-        if (log_scale, interval) not in spent:
-            scaled = factory({k: v * math.exp(log_scale) for k, v in noise.items()})
-            spent[log_scale, interval] = pld_epsilon(scaled, delta, interval)
-        return math.log(min(max(spent[log_scale, interval], 1e-300), 1e300))
-
-    # Gaps are log-epsilon minus the aim's; the accepted band is narrowed by a hair at the top so that
-    # round-off keeps an accepted point within epsilon.
-    aim = math.log(epsilon) + math.log1p(-_PLD_RTOL / 20)
-    band = (math.log1p(-_PLD_RTOL) - math.log1p(-_PLD_RTOL / 20), -math.log1p(-_PLD_RTOL / 20) - 1e-12)
-    # A first slope of -2: epsilon falls faster than 1/scale where sampling amplifies (small rates), and a
-    # shallower guess overshoots into large epsilons, whose PLDs are the widest and dearest to build.
-    log_scale, slope = _secant_root(
-        lambda x: log_epsilon(x, _COARSE_INTERVAL) - aim, 0.0, slope=-2.0, band=(-_PLD_RTOL, _PLD_RTOL)
-    )
-    # Richardson: eps(h) = eps_0 + k h^2, from h and h/2, extrapolated to the accountant's grid.
-    coarse, half = (math.exp(log_epsilon(log_scale, h)) for h in (_COARSE_INTERVAL, _COARSE_INTERVAL / 2))
-    curvature = (coarse - half) / (0.75 * _COARSE_INTERVAL**2)
-    predicted = coarse - curvature * (_COARSE_INTERVAL**2 - PLD_DISCRETIZATION**2)
-    if predicted > 0:
-        log_scale -= (math.log(predicted) - aim) / slope
-    log_scale, _ = _secant_root(
-        lambda x: log_epsilon(x, PLD_DISCRETIZATION) - aim, log_scale, tol=0.0, slope=slope, band=band
-    )
-    final = spent[log_scale, PLD_DISCRETIZATION]
-    if not final <= epsilon:  # the band ensures it; the guarantee, made explicit
-        raise RuntimeError(f"PLD calibration overshot epsilon={epsilon}: {final}")
-    return {k: v * math.exp(log_scale) for k, v in noise.items()}
 
 
 __all__ = ["MechanismFactory", "calibrate"]

@@ -11,7 +11,7 @@ dp_accounting's two accountants do not read the multiplier the same way under ``
   shifts the noise by ``+C`` for one dataset and ``-C`` for the other (a total of ``2C``). It has no
   ``SampledWithoutReplacementDpEvent`` and no ``ZCDpEvent``. dpvr prices a
   ``SampledWithoutReplacementDpEvent`` of a ``GaussianDpEvent`` under replace-one with its own PLD
-  (:mod:`dpvr.privacy.subsampling`, same convention), composed alongside dp_accounting's.
+  (:mod:`dpvr.privacy.pld.subsampling`, same convention), composed alongside dp_accounting's.
 - ``RdpAccountant`` prices ``GaussianDpEvent`` at ``alpha / (2 z**2)`` whatever the relation (and
   ``LaplaceDpEvent`` at its add/remove value), and ``SampledWithoutReplacementDpEvent`` with Wang, Balle
   and Kasiviswanathan (2019), Theorem 27, whose base mechanism is measured against the *replace-one*
@@ -28,8 +28,9 @@ unchanged; dp_accounting's remaining events are either relation-aware or refused
 Accountants are backends (:class:`AccountantBackend`) in a registry: :func:`register_accountant` adds one,
 :func:`accountant_backend` finds one by name, and ``ACCOUNTANTS`` lists the registered names. The functions
 here that take an accountant's name (:func:`for_accountant`, :func:`make_accountant`,
-:func:`unsupported_reason`, :func:`tightest_accountant`) ask its backend; dpvr's own, RDP and PLD, are in
-:mod:`dpvr.privacy.backends`.
+:func:`unsupported_reason`, :func:`tightest_accountant`) ask its backend; dpvr's own, RDP
+(:mod:`dpvr.privacy.rdp`) and PLD (:mod:`dpvr.privacy.pld`), derive from :class:`DpAccountingBackend` and
+are registered by :mod:`dpvr.privacy.backends`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import dp_accounting as dpa
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from .random_allocation import RandomAllocationDpEvent, is_random_allocation
-from .subsampling import PLD_DISCRETIZATION
 
 if TYPE_CHECKING:
     import numpy as np
@@ -249,10 +249,10 @@ def make_accountant(
     accountant: str,
     neighbouring: str,
     orders: tuple[float, ...] | None = None,
-    interval: float = PLD_DISCRETIZATION,
+    interval: float | None = None,
 ) -> dpa.PrivacyAccountant:
     """A fresh dp_accounting accountant of the given kind (``orders`` for RDP, the loss grid's width
-    ``interval`` for PLD)."""
+    ``interval`` for PLD; ``None``: the backend's default, dp_accounting's ``1e-4`` for PLD)."""
     return accountant_backend(accountant).make(neighbouring, orders=orders, interval=interval)
 
 
@@ -277,8 +277,8 @@ def pld_stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
     Gaussian.
 
     dp_accounting's PLD accountant supports the result exactly when it supports everything in ``event`` that
-    dpvr does not price itself (:mod:`dpvr.privacy.subsampling`, :mod:`dpvr.privacy.random_allocation`);
-    used only to ask that question."""
+    dpvr does not price itself (:mod:`dpvr.privacy.pld.subsampling`,
+    :mod:`dpvr.privacy.pld.random_allocation`); used only to ask that question."""
     if is_wor_gaussian(event) or is_random_allocation(event):
         return event.event
     if isinstance(event, dpa.ComposedDpEvent):
@@ -347,3 +347,25 @@ def require_supported(event: dpa.DpEvent, accountant: str, neighbouring: str) ->
     reason = unsupported_reason(event, accountant, neighbouring)
     if reason is not None:
         raise ValueError(f"cannot account {type(event).__name__} under {neighbouring}: {reason}")
+
+
+class DpAccountingBackend:
+    """What a backend over a dp_accounting accountant shares (dpvr's RDP and PLD backends derive from it): an
+    event is refused by :func:`relation_reason` and the backend's own rules (:meth:`_refuses`, on every nested
+    event), else by what its accountant (:meth:`make`, given :meth:`rewrite`) supports."""
+
+    label = ""  # the accountant's name in messages
+
+    def unsupported_reason(self, event: dpa.DpEvent, neighbouring: str) -> str | None:
+        reason = first_reason(event, neighbouring, self._refuses)
+        if reason is not None:
+            return reason
+        event = self._stand_in(event)
+        if not self.make(neighbouring, orders=(2.0,)).supports(self.rewrite(event, neighbouring)):
+            return f"dp_accounting's {self.label} accountant does not support {type(event).__name__}"
+        return None
+
+    @staticmethod
+    def _stand_in(event: dpa.DpEvent) -> dpa.DpEvent:
+        """What dp_accounting is asked to support in place of ``event``."""
+        return event

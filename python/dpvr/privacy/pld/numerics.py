@@ -8,8 +8,8 @@ dp_accounting counterpart computes, with the same formulas in the same order of 
 order is sequential (``np.cumsum`` adds left to right, as the loop does): the PMFs are equal, the bounds
 equal, and epsilon equal to the last few ulp (``np.exp`` against ``math.exp``), rounded so that it is never
 below dp_accounting's; ``tests`` check each
-against dp_accounting. They read dp_accounting's dense PMF fields (``_probs``, ``_lower_loss``,
-``_infinity_mass``), for which it has no public accessor, and build its public ``DensePLDPmf``.
+against dp_accounting. They read dp_accounting's dense PMF fields, for which it has no public accessor,
+through :mod:`dpvr.privacy.pld.adapter`, and build its public ``DensePLDPmf``.
 
 Privacy: these compute the accountant's epsilon, so each is held to dp_accounting's result, not to a
 tolerance of its own; a PMF they cannot take (a sparse one, an optimistic one) goes to dp_accounting.
@@ -24,9 +24,11 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import fft
 
-# dp_accounting's limits: PMFs of at most this many points are sparse; deltas may rise by this much.
-_MAX_SPARSE = pld_pmf._MAX_PMF_SPARSE_SIZE  # noqa: SLF001
-_DELTA_DIFF_TOLERANCE = pld_pmf._DELTA_DIFF_TOLERANCE  # noqa: SLF001
+from . import adapter
+from .adapter import DELTA_DIFF_TOLERANCE as _DELTA_DIFF_TOLERANCE
+from .adapter import MAX_SPARSE_POINTS as _MAX_SPARSE
+from .adapter import dense_parts, pmfs
+
 _EXP_DOWN = 1 - 2.0**-50
 
 
@@ -79,27 +81,28 @@ def self_convolve_bounds(probs: np.ndarray, count: int, tail_mass: float) -> tup
 def self_compose(pld: pld_lib.PrivacyLossDistribution, count: int,
                  tail_mass: float = 1e-15) -> pld_lib.PrivacyLossDistribution:
     """``pld.self_compose(count, tail_mass)``, its truncation bounds by :func:`self_convolve_bounds`."""
-    pmfs = [_self_compose_pmf(pmf, count, tail_mass) for pmf in _pmfs(pld)]
-    return pld_lib.PrivacyLossDistribution(*pmfs)
+    composed = [_self_compose_pmf(pmf, count, tail_mass) for pmf in pmfs(pld)]
+    return pld_lib.PrivacyLossDistribution(*composed)
 
 
 def _self_compose_pmf(pmf: pld_pmf.PLDPmf, count: int, tail_mass: float) -> pld_pmf.PLDPmf:
     if not isinstance(pmf, pld_pmf.DensePLDPmf) or count <= 1:
         return pmf.self_compose(count, tail_mass)
-    probs = pmf._probs  # noqa: SLF001
+    fields = adapter.dense_fields(pmf)
+    probs = fields.probs
     low, high = self_convolve_bounds(probs, count, tail_mass)
     length = high - low + 1
     fast = fft.next_fast_len(max(length, len(probs)))
     wrapped = np.real(fft.ifft(fft.fft(probs, fast) ** count))
     out = np.roll(wrapped, -low)[:length]
-    infinity = tail_mass - math.expm1(count * math.log1p(-pmf._infinity_mass))  # noqa: SLF001
-    return pld_pmf.DensePLDPmf(pmf._discretization, pmf._lower_loss * count + low,  # noqa: SLF001
-                               np.array(out), infinity, pmf._pessimistic_estimate)  # noqa: SLF001
+    infinity = tail_mass - math.expm1(count * math.log1p(-fields.infinity_mass))
+    return pld_pmf.DensePLDPmf(fields.discretization, fields.lower_loss * count + low,
+                               np.array(out), infinity, fields.pessimistic)
 
 
 def epsilon_for_delta(pld: pld_lib.PrivacyLossDistribution, delta: float) -> float:
     """``pld.get_epsilon_for_delta(delta)``: the largest of its PMFs' epsilons."""
-    return max(_pmf_epsilon(pmf, delta) for pmf in _pmfs(pld))
+    return max(_pmf_epsilon(pmf, delta) for pmf in pmfs(pld))
 
 
 def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
@@ -107,12 +110,13 @@ def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
     stops at the first loss below the epsilon that the masses above it give, and returns that epsilon."""
     if not isinstance(pmf, pld_pmf.DensePLDPmf):
         return float(pmf.get_epsilon_for_delta(delta))
-    infinity = pmf._infinity_mass  # noqa: SLF001
+    fields = adapter.dense_fields(pmf)
+    infinity = fields.infinity_mass
     if infinity > delta:
         return math.inf
-    probs = np.flip(pmf._probs)  # noqa: SLF001
-    step = pmf._discretization  # noqa: SLF001
-    top = (pmf._lower_loss + len(probs) - 1) * step  # noqa: SLF001
+    probs = np.flip(fields.probs)
+    step = fields.discretization
+    top = (fields.lower_loss + len(probs) - 1) * step
     # itertools.count(top, -step): each loss the previous one minus step, rounded as the loop rounds it.
     losses = np.cumsum(np.concatenate(([top], np.full(len(probs) - 1, -step))))
     # The masses before each loss is taken (the loop's state when it tests that loss).
@@ -133,26 +137,6 @@ def _pmf_epsilon(pmf: pld_pmf.PLDPmf, delta: float) -> float:
     if mass_upper <= mass_lower + delta:
         return 0.0
     return math.log((mass_upper - delta) / mass_lower)
-
-
-def _pmfs(pld: pld_lib.PrivacyLossDistribution) -> list[pld_pmf.PLDPmf]:
-    """The PLD's PMFs: remove, and add unless the PLD is symmetric."""
-    if pld._symmetric:  # noqa: SLF001
-        return [pld._pmf_remove]  # noqa: SLF001
-    return [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
-
-
-def pmfs(pld: pld_lib.PrivacyLossDistribution) -> list[pld_pmf.PLDPmf]:
-    """The PMFs of ``pld`` that its epsilon depends on (remove, and add unless symmetric)."""
-    return _pmfs(pld)
-
-
-def dense_parts(pmf: pld_pmf.PLDPmf) -> tuple[int, np.ndarray, float]:
-    """``(lower loss as a grid index, probabilities, infinity mass)`` of ``pmf`` as a dense PMF (a sparse one
-    converted, as dp_accounting converts it before a large self-composition). dp_accounting has no public
-    accessor for these; this is where dpvr reads them."""
-    dense = pmf.to_dense_pmf()
-    return int(dense._lower_loss), dense._probs, float(dense._infinity_mass)  # noqa: SLF001
 
 
 def composed_points(pmf: pld_pmf.PLDPmf, count: int, tail_mass: float) -> int:

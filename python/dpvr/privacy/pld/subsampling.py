@@ -59,8 +59,9 @@ from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import norm
 
-from . import _checks
-from .pld_numerics import connect_dots_pmf
+from .. import _checks
+from .adapter import dense_parts, directions
+from .numerics import connect_dots_pmf
 
 #: Width of the privacy-loss grid, dp_accounting's PLDAccountant default: PLDs compose only on one grid.
 PLD_DISCRETIZATION = 1e-4
@@ -68,11 +69,9 @@ PLD_DISCRETIZATION = 1e-4
 
 def _dense(pmf: pld_pmf.PLDPmf) -> tuple[np.ndarray, np.ndarray, float]:
     """``(losses as grid indices, probabilities, infinity mass)`` of a dp_accounting PMF."""
-    dense = pmf.to_dense_pmf()
-    # dp_accounting exposes no public accessor for a PMF's support; these are DensePLDPmf's own fields.
-    probs = np.asarray(dense._probs, dtype=float)  # noqa: SLF001
-    lower = int(dense._lower_loss)  # noqa: SLF001
-    return np.arange(lower, lower + probs.size), probs, float(dense._infinity_mass)  # noqa: SLF001
+    lower, probs, infinity = dense_parts(pmf)  # dp_accounting has no public accessor (the adapter reads it)
+    probs = np.asarray(probs, dtype=float)
+    return np.arange(lower, lower + probs.size), probs, infinity
 
 
 def _gaussian_loss(noise: float, sensitivity: float, sampling_prob: float, remove: bool):
@@ -192,8 +191,8 @@ def wor_gaussian_pld(
         return pld_lib.identity(d)
     if b == n:  # every record is used: the plain Gaussian, shifted by 2C
         return gaussian_pld(z, 2.0, 1.0, d)
-    directions = gaussian_pld(z, 2.0, b / n, d)
-    remove, add = directions._pmf_remove, directions._pmf_add  # noqa: SLF001 - the two directions' PMFs
+    sampled = gaussian_pld(z, 2.0, b / n, d)
+    remove, add = directions(sampled)
     r_loss, r_prob, r_inf = _dense(remove)
     a_loss, a_prob, a_inf = _dense(add)
     above, below = r_loss >= 1, a_loss <= -1
