@@ -144,13 +144,15 @@ def test_epsilon_of_the_run_is_dp_accountings_for_one_gaussian_at_z(accountant):
     assert spent == pytest.approx(plain.privacy_spent().epsilon, rel=1e-9)
 
 
-def test_calibrated_noise_is_split_after_calibrating_the_pair():
+@pytest.mark.parametrize("shares", [None, "auto"])
+def test_calibrated_noise_is_split_after_calibrating_the_pair(shares):
     """With a budget and no noise, z is calibrated for the plain plan and the pair gets it: spent <= budget
-    and close to it."""
+    and close to it (shares="auto" has one stream to calibrate, not two)."""
     n = 256
     x, y = torch.randn(n, 3), torch.randn(n)
     alg = DPSGD(nn.Linear(3, 1), squared, x, y, lr=0.05, clip=1.0, clipping="adaptive", steps=20,
-                batch_size=32, runtime=_seeded(0), privacy=PrivacyConfig(epsilon=2.0, public_dataset_size=n))
+                batch_size=32, runtime=_seeded(0),
+                privacy=PrivacyConfig(epsilon=2.0, public_dataset_size=n, shares=shares))
     alg.run()
     spent = alg.privacy_spent().epsilon
     assert 1.9 < spent <= 2.0

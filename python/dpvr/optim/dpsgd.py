@@ -233,7 +233,8 @@ class DPSGD(PrivateAlgorithm):
         if self.policy == "adaptive":
             # The user's z (or the one calibrated for the plain plan) is what the pair of releases costs per
             # step; the gradient's multiplier is raised to make room for the count's (clipping.split_noise).
-            z = resolve_noise(plan, noise, privacy)["gradient"]
+            # (one stream: a budget split across streams has nothing to split)
+            z = resolve_noise(plan, noise, dataclasses.replace(privacy, shares=None))["gradient"]
             batch = self.sampler.batch_size  # public: the expected batch size, or n under replace-one
             sigma_b = batch / 20.0 if count_noise is None else count_noise
             self.adaptive = AdaptiveRadius(float(clip), 0.5 if target_quantile is None else target_quantile,
