@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import dpvr
+from dpvr.grads import GhostClipper
 from dpvr.grads.layer_clip import LayerRadii, layer_radii
 from dpvr.optim import DPSGD, RuntimeConfig
 from dpvr.optim.gradients import ClippedGradients
@@ -92,6 +93,21 @@ def test_per_layer_sums_match_float64_autograd(mode, clip):
     whole = [math.sqrt(sum(float((g.double() ** 2).sum()) for g in torch.autograd.grad(
         squared(model(x[i : i + 1])[0], y[i]), list(model.parameters())))) for i in range(B)]
     torch.testing.assert_close(norms, torch.tensor(whole, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_ghost_clipper_backends_clip_per_layer(backend):
+    """The torch backend (the CUDA path, run on the host here) and the native one give the per-layer sums,
+    with a non-finite record dropped from every group (the torch path clears rows unconditionally)."""
+    model = mlp()
+    x, y = data()
+    x[7, 1] = math.inf
+    radii = layer_radii(model, [0.3, 0.05, 0.2, 0.1])
+    result = GhostClipper(model, squared, backend=backend).clipped_sum(x, y, radii, wide=True)
+    keep = torch.arange(B) != 7
+    assert math.isnan(float(result.norms[7])) and torch.isfinite(result.norms[keep]).all()
+    for got, want in zip(result.sums, reference(model, x[keep], y[keep], radii)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
 def test_each_records_group_terms_stay_within_their_radii():
