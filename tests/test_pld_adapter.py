@@ -104,3 +104,21 @@ def test_no_other_module_reads_a_private_dp_accounting_name():
     assert reads == [], "read dp_accounting's private fields through dpvr.privacy.pld.adapter:\n" + "\n".join(
         reads
     )
+
+
+def test_only_the_pld_package_imports_dp_accountings_pld():
+    """The PLD accountant is one package: no other dpvr module imports dp_accounting's PLD code."""
+    root = Path(dpvr.__file__).parent
+    package = root / "privacy" / "pld"
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        if package in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            if any(name.startswith("dp_accounting.pld") for name in names):
+                importers.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert importers == []
+
