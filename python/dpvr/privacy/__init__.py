@@ -7,6 +7,10 @@
   :mod:`~dpvr.privacy.last_iterate` has cyclic DP-SGD's last-iterate bounds.
 - :func:`calibrate` finds the noise for a target ``(epsilon, delta)``, jointly over all streams, or returns
   the paper's closed form.
+- The accountants are backends behind one protocol (:mod:`~dpvr.privacy.relations`), registered by
+  :mod:`~dpvr.privacy.backends`: RDP (:mod:`~dpvr.privacy.rdp`) and PLD, one package
+  (:mod:`~dpvr.privacy.pld`: composition, caches, dpvr's own PLDs, calibration hook, and the one module that
+  reads dp_accounting's internals).
 
 Noise multipliers are the noise std over the L2 bound on one record's contribution to the released sum
 (:mod:`~dpvr.privacy.relations` explains how each accountant is made to price that correctly under
