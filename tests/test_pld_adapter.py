@@ -14,6 +14,7 @@ from pathlib import Path
 import dp_accounting as dpa
 import numpy as np
 import pytest
+from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 import dpvr
@@ -34,6 +35,20 @@ def test_a_moved_field_is_reported_by_name(monkeypatch):
     assert adapter.check_fields() == [
         "dp_accounting's PLDAccountant._pld is missing (dpvr.privacy.pld.adapter reads it)"
     ]
+
+
+def test_a_missing_module_constant_stops_the_import_by_name(monkeypatch):
+    monkeypatch.delattr(pld_pmf, "_DELTA_DIFF_TOLERANCE")
+    expected = r"has no pld_pmf\._DELTA_DIFF_TOLERANCE.*dp-accounting>=0\.6\.0,<0\.7"
+    with pytest.raises(ImportError, match=expected):
+        adapter._constant("_DELTA_DIFF_TOLERANCE")  # noqa: SLF001 - what the import runs
+
+
+def test_the_supported_range_is_pyprojects():
+    pyproject = (Path(dpvr.__file__).resolve().parents[2] / "pyproject.toml")
+    if not pyproject.exists():
+        pytest.skip("an installed dpvr without its source tree")
+    assert f'"{adapter.SUPPORTED}"' in pyproject.read_text()
 
 
 def test_a_field_of_another_type_is_reported_by_name(monkeypatch):

@@ -16,6 +16,7 @@ results by the tests of :mod:`dpvr.privacy.pld.numerics`.
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any, NamedTuple
 
 import dp_accounting as dpa
@@ -23,9 +24,25 @@ import numpy as np
 from dp_accounting.pld import pld_pmf, pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+SUPPORTED = "dp-accounting>=0.6.0,<0.7"  # pyproject's pin: the releases whose fields these are
+
+
+def _constant(name: str) -> Any:
+    """``pld_pmf.<name>``, or an ``ImportError`` naming it: read when dpvr.privacy is imported, so a release
+    without it stops dpvr there rather than in a run."""
+    try:
+        return getattr(pld_pmf, name)
+    except AttributeError:
+        version = metadata.version("dp-accounting")
+        raise ImportError(
+            f"dp_accounting {version} has no pld_pmf.{name}, which dpvr.privacy.pld.adapter reads; "
+            f"dpvr supports {SUPPORTED}"
+        ) from None
+
+
 # dp_accounting's limits: PMFs of at most this many points are sparse; deltas may rise by this much.
-MAX_SPARSE_POINTS: int = pld_pmf._MAX_PMF_SPARSE_SIZE  # noqa: SLF001
-DELTA_DIFF_TOLERANCE: float = pld_pmf._DELTA_DIFF_TOLERANCE  # noqa: SLF001
+MAX_SPARSE_POINTS: int = _constant("_MAX_PMF_SPARSE_SIZE")
+DELTA_DIFF_TOLERANCE: float = _constant("_DELTA_DIFF_TOLERANCE")
 
 
 class DenseFields(NamedTuple):
@@ -157,6 +174,7 @@ def check_fields() -> list[str]:
 
 __all__ = [
     "DELTA_DIFF_TOLERANCE",
+    "SUPPORTED",
     "FIELDS",
     "MAX_SPARSE_POINTS",
     "DenseFields",
