@@ -181,7 +181,7 @@ def test_dpsgd_prices_the_total_radius_and_releases_the_per_layer_sum():
     start = [p.detach().clone() for p in model.parameters()]
     alg = DPSGD(model, squared, x, y, lr=1.0, clip=radii, clipping="per_layer", steps=1, sampling="full",
                 noise=2.0, runtime=RuntimeConfig(generator=dpvr.NoiseGenerator(5, reproducible=True)))
-    assert alg.clip.total == pytest.approx(total, rel=1e-15)
+    assert total <= alg.clip.total == pytest.approx(total, rel=1e-14)
     with torch.no_grad():
         for p, s in zip(model.parameters(), start):
             p.copy_(s)
@@ -199,7 +199,7 @@ def test_dpsgd_prices_the_total_radius_and_releases_the_per_layer_sum():
         alg.step()
     finally:
         dpvr.ops.noisy_update = original
-    assert released == [pytest.approx(2.0 * total / B, rel=1e-14)]
+    assert released == [pytest.approx(2.0 * total / B, rel=1e-14)] and released[0] >= 2.0 * total / B
     moved = torch.cat([(s - p.detach()).reshape(-1) for p, s in zip(model.parameters(), start)])
     noise = moved - torch.cat([r.reshape(-1) for r in ref]) / B
     assert 0 < float(noise.norm()) < 10 * released[0] * math.sqrt(noise.numel())
@@ -208,7 +208,7 @@ def test_dpsgd_prices_the_total_radius_and_releases_the_per_layer_sum():
 def test_scalar_clip_is_split_equally():
     model = mlp()
     radii = layer_radii(model, 0.8)
-    assert radii.radii == (0.4,) * 4 and radii.total == pytest.approx(0.8, rel=1e-15)
+    assert radii.radii == (0.4,) * 4 and 0.8 <= radii.total == pytest.approx(0.8, rel=1e-14)
 
 
 @pytest.mark.parametrize(("clip", "error", "match"), [

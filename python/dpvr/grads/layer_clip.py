@@ -22,10 +22,9 @@ class LayerRadii:
     """Groups of trainable parameters (``groups[l]``: indices among the trainable parameters) and their radii.
 
     Guarantee (of the sums that take it): record i's contribution to group l's parameters has L2 norm at most
-    ``radii[l]`` (each group clipped by the kernels' rule, which holds after rounding with a relative margin
-    of at least two units of the parameters' dtype), so its whole contribution has norm at most
-    ``sqrt(sum_l radii[l]^2)`` = :attr:`total`, computed in float64 with a correctly rounded sum; the
-    kernels' margin (>= 2^-23 relative for float32, 2^-52 for float64) exceeds that computation's rounding.
+    ``radii[l]`` (each group clipped by the kernels' rule, which holds after rounding), so its whole
+    contribution has norm at most ``sqrt(sum_l radii[l]^2)``; :attr:`total` is never below that exact value
+    (see there).
     """
 
     groups: tuple[tuple[int, ...], ...]
@@ -45,8 +44,11 @@ class LayerRadii:
     @property
     def total(self) -> float:
         """``sqrt(sum_l C_l^2)``: the bound on one record's whole clipped contribution (its add/remove
-        sensitivity; replace-one is twice it, which the accountant applies)."""
-        return math.sqrt(math.fsum(r * r for r in self.radii))
+        sensitivity; replace-one is twice it, which the accountant applies), rounded up: the float64 squares,
+        their correctly rounded sum and the square root each err by at most 2^-53 relative, so the result
+        times ``1 + 2^-50`` is at least the exact value (the release's noise is priced on it: a hair more
+        noise, never less)."""
+        return math.sqrt(math.fsum(r * r for r in self.radii)) * (1.0 + 2.0**-50)
 
     def check_covers(self, count: int) -> None:
         """Raises ``ValueError`` unless the groups cover exactly the ``count`` trainable parameters."""
