@@ -166,7 +166,9 @@ def _rdp_curve(
             proxy_event, relation = proxy
             proxy_event = RDP.rewrite(proxy_event, relation)
             stand_in = RDP.make(relation, orders=orders)
-            curve = stand_in.compose(proxy_event).rdp if stand_in.supports(proxy_event) else None
+            if stand_in.supports(proxy_event):
+                with _orders_dropped_quietly():
+                    curve = stand_in.compose(proxy_event).rdp
     if curve is not None:
         curve = np.array(curve, dtype=float)
         curve.setflags(write=False)
