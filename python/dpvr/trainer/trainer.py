@@ -222,7 +222,9 @@ def make_private(
     cls, sampled = spec.algorithm_class(), layout == "sampled"
     settings = {**spec.algorithm_options, **settings}
     if not isinstance(module, nn.Module):
-        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        hint = (" (dpvr.fix(model) changes the model in place and returns the list of its changes: pass the "
+                "model itself)" if isinstance(module, list) and all(isinstance(m, str) for m in module) else "")
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}{hint}")
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("module: has no trainable parameters")
@@ -242,7 +244,11 @@ def make_private(
             f"criterion: {algorithm!r} takes a {'MinimaxProblem' if minimax else 'loss callable'}, "
             f"got {type(criterion).__name__}{where}"
         )
-    shards = data if isinstance(data, (list, tuple)) else [data]
+    # A list is one dataset per client for a federated algorithm; for the others, a list of records (a
+    # plain Python list is a map-style dataset) unless every element is itself a dataset or loader.
+    clients = isinstance(data, (list, tuple)) and (
+        spec.federated or all(isinstance(d, (Dataset, DataLoader)) for d in data))
+    shards = data if clients else [data]
     if len(shards) > 1 and not spec.federated:
         federated = [name for name in registry.front_door() if registry.get(name).federated]
         raise ValueError(
@@ -392,10 +398,10 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
     empty, keyword = inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY
     clip, declared = settings.get("clip"), inspect.signature(cls).parameters.get("clip")
     per_stream = "Mapping" in str(getattr(declared, "annotation", ""))  # its clip is {stream: radius}
+    shape = re.search(r"clip: ``(\{.*?\})``", inspect.getdoc(cls) or "", re.S)
+    example = " ".join(shape.group(1).split()) if shape else "{stream: radius}"
     if clip is not None and not isinstance(clip, Mapping) and per_stream:
         # Said here, before a theorem's default reads a radius from it and complains about that default.
-        shape = re.search(r"clip: ``(\{.*?\})``", inspect.getdoc(cls) or "", re.S)
-        example = " ".join(shape.group(1).split()) if shape else "{stream: radius}"
         problems.append(f"clip: {spec.name!r} clips each stream with its own radius, so it takes a mapping: "
                         f"clip={example} (see dpvr.optim.{cls.__name__}), got {clip!r}")
     for name, parameter in inspect.signature(cls).parameters.items():
@@ -403,6 +409,8 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
         derived_later = ("steps", "privacy", "runtime", *derivable(spec.name))
         if required and name not in settings and name not in derived_later:
             what = f" ({meaning[name]})" if name in meaning else ""
+            if name == "clip" and per_stream:
+                what = f": clip={example}, one radius per stream (see dpvr.optim.{cls.__name__})"
             problems.append(f"{name}: {spec.name!r} needs this setting{what}")
     if len(problems) == 1:
         raise ValueError(f"make_private({spec.name!r}): {problems[0]}")
