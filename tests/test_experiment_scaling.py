@@ -13,6 +13,7 @@ pytest.importorskip("mnist1d")
 from dpvr.cli.experiment import parse  # noqa: E402
 from dpvr.data import load, load_mnist1d  # noqa: E402
 from dpvr.data import mnist1d as m1d  # noqa: E402
+from dpvr.trainer.defaults import noise_constant  # noqa: E402
 from dpvr_lab.experiments import scaling  # noqa: E402
 
 
@@ -118,9 +119,13 @@ def test_the_dro_task_is_long_tailed_nested_and_tested_on_balanced_data(offline)
     model = nn.Sequential(nn.Linear(40, 16), nn.Softplus(), nn.Linear(16, 2))  # d = 690
     radii = {"eta-refresh": 1.0, "eta-difference": (2.0, 2.0), "x-refresh": 1.0, "x-difference": (2.0, 2.0)}
     restart, sizes = scaling.spider_schedule(scaling.Protocol((16000,), 5, 50, 64), radii, 16000, model, 1.0)
-    q = (16000 / math.sqrt(690 * math.log(1e6))) ** (2 / 3)
-    assert restart == round(q) == 30
-    b2 = (16000 * 690 * math.log(1e6)) ** (1 / 3) / 2 ** (1 / 6)
+    # Theorems 7/8 with log(1/delta)/eps^2 read as k c: k = 4 streams share the budget, c the squared noise
+    # multiplier of one Gaussian release spending (1, 1e-6) under PLD (71.4; trainer.defaults).
+    kc = 4 * noise_constant(1.0, 1e-6)
+    assert kc == pytest.approx(4 * 71.4, rel=2e-3)
+    q = (16000 / math.sqrt(690 * kc)) ** (2 / 3)
+    assert restart == round(q) == 11
+    b2 = max((16000 / math.sqrt(2 * 690 * kc)) ** (2 / 3), (16000 * 690 * kc) ** (1 / 3) / 2 ** (1 / 6))
     assert sizes == {"eta-refresh": 16000, "x-refresh": 16000, "eta-difference": math.ceil(b2),
                      "x-difference": math.ceil(b2)}
 
