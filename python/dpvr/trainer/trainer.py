@@ -222,8 +222,9 @@ def make_private(
     cls, sampled = spec.algorithm_class(), layout == "sampled"
     settings = {**spec.algorithm_options, **settings}
     if not isinstance(module, nn.Module):
-        hint = (" (dpvr.fix(model) changes the model in place and returns the list of its changes: pass the "
-                "model itself)" if isinstance(module, list) and all(isinstance(m, str) for m in module) else "")
+        changes = isinstance(module, list) and all(isinstance(m, str) for m in module)
+        hint = (" (dpvr.fix(model) changes the model in place and returns the list of its changes: pass "
+                "the model itself)" if changes else "")
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}{hint}")
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
