@@ -22,7 +22,10 @@ Methods, at their theorems' protocols (:mod:`dpvr.trainer.defaults`), full batch
   offset ``C3 = G * 3 sqrt(2) z_y Delta / 2`` (three standard deviations of the jump the y-noise makes
   between rounds, which moves a per-sample difference by ``||grad_xy f|| |y_{r+1} - y_r|``: public);
 - ``DP-SGDA (theorem)``: Theorem 2's ``T``, ``eta_x = 1 / (16 (kappa + 1)^2 l)``, ``eta_y = 1 / l``
-  (:func:`~dpvr.trainer.defaults.dpsgda_protocol`), clip radii ``G`` (x) and 1 (y).
+  (:func:`~dpvr.trainer.defaults.dpsgda_protocol`), clip radii ``G`` (x) and 1 (y);
+- ``... (tuned)``: the x-step multiplied by ``k`` in a public grid (default 1, 4, 16, 64) with ``R / k``
+  rounds (the same ``eta R``; ``T`` re-derived), the ``k`` with the lowest median on two held-out tuning
+  seeds kept, as in the DIFF2 experiment: a public grid on held-out instances of the same synthetic family.
 
 Noise multipliers come from dpvr's own calibration of each run's plan (``PrivateDiffPlan`` with
 ``y_release="output"``, ``DPSGDAPlan``, full batches, PLD, replace-one); the updates are exact replicas of
@@ -49,7 +52,7 @@ from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
 from dpvr.privacy.events import DPSGDAPlan, PrivateDiffPlan
 from dpvr.results import Record, document
-from dpvr.trainer.defaults import Protocol, dpsgda_protocol, private_diff_protocol
+from dpvr.trainer.defaults import Protocol, _period, dpsgda_protocol, private_diff_protocol
 
 from . import regime
 from .common import derive_seed, progress, save
@@ -66,6 +69,7 @@ TOLERANCE = 0.01  # the solver's default tolerance, as a fraction of 1 / (n mu)
 METHODS = ("PrivateDiff", "DP-SGDA")
 SIZES = regime.SIZES
 QUICK_SIZES = (4_000, 16_000, 64_000)
+GRID = (1.0, 4.0, 16.0, 64.0)  # step multipliers of the tuned protocol (DP-SGDA's theorem step is 1/288)
 
 
 class MinimaxPlanted(Problem):
@@ -148,12 +152,22 @@ def run_private_diff(problem: MinimaxPlanted, n: int, rounds: int, restart: int,
     return x, capped
 
 
-def schedule(method: str, n: int, dimension: int, epsilon: float, gap: float) -> Protocol:
-    """The theorem's protocol of ``method`` at this problem's constants."""
+def schedule(method: str, n: int, dimension: int, epsilon: float, gap: float,
+             multiplier: float = 1.0) -> Protocol:
+    """The theorem's protocol of ``method`` at this problem's constants, its x-step multiplied by
+    ``multiplier`` with ``R / multiplier`` rounds (the same ``eta R``; ``T`` re-derived for those rounds, the
+    y-step kept)."""
     if method == "DP-SGDA":
-        return dpsgda_protocol(n, dimension, epsilon, DELTA, max(G_PHI, Y_CLIP), CROSS, MU, gap, 1.0)
-    return private_diff_protocol(n, dimension, epsilon, DELTA, G_PHI, SMOOTH, gap, cross=G_PHI,
-                                 strong_concavity=MU, y_range=Y_RANGE, y_dim=1)
+        base = dpsgda_protocol(n, dimension, epsilon, DELTA, max(G_PHI, Y_CLIP), CROSS, MU, gap, 1.0)
+    else:
+        base = private_diff_protocol(n, dimension, epsilon, DELTA, G_PHI, SMOOTH, gap, cross=G_PHI,
+                                     strong_concavity=MU, y_range=Y_RANGE, y_dim=1)
+    if multiplier == 1.0:
+        return base
+    rounds = max(1, math.ceil(base.rounds / multiplier))
+    restart = 1 if method == "DP-SGDA" else _period(base.tau, rounds)
+    return Protocol(rounds, restart, base.lr * multiplier, base.tau, base.bound, base.noise_constant,
+                    base.lr_y)
 
 
 def _noise(method: str, n: int, protocol: Protocol, epsilon: float) -> tuple[dict[str, float], float]:
@@ -207,34 +221,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epsilons = list(args.epsilon or ((1.0, 4.0) if quick else regime.EPSILONS))
     seeds = list(range(args.seeds or (3 if quick else 5)))
     d, m = args.dimension, args.atoms
+    grid = list((1.0, 8.0) if quick and args.grid is None else GRID if args.grid is None else args.grid)
+    tuning = [1000 + s for s in range(args.tuning_seeds)] if len(grid) > 1 else []
     problem = MinimaxPlanted.planted(seeds, d, m)
+    tuner = MinimaxPlanted.planted(tuning, d, m) if tuning else None
     gaps = problem.value(np.zeros_like(problem.solution)) ** 2 / 2  # Phi(x0) - min Phi, exact
     gap = float(gaps.max())
+    protocols = ("theorem", "tuned") if tuning else ("theorem",)
     records: list[Record] = []
     norms: dict[tuple[str, str, float], list[np.ndarray]] = {}
-    with progress(len(sizes) * len(epsilons) * len(METHODS), f"{NAME}: d={d}") as bar:
+    with progress(len(sizes) * len(epsilons) * len(METHODS) * len(protocols), f"{NAME}: d={d}") as bar:
         for epsilon in epsilons:
             for n in sizes:
                 for method in METHODS:
-                    plan = schedule(method, n, d, epsilon, gap)
-                    result = evaluate(method, problem, n, plan, epsilon, 0)
-                    label = f"{method} (theorem)"
-                    norms.setdefault((label, "", epsilon), []).append(result["norms"])
-                    for i, seed in enumerate(seeds):
-                        metrics = {
-                            "grad_norm": float(result["norms"][i]), "n": n, "dimension": d,
-                            "coordinate": n * epsilon / math.sqrt(d), "rounds": plan.rounds,
-                            "restart": plan.restart, "lr": plan.lr, "lr_y": plan.lr_y, "tau": plan.tau,
-                            "bound": plan.bound, "noise": result["noise"],
-                            "capped_rounds": int(result["capped"][i]), "gap": float(gaps[i]),
-                        }
-                        records.append(Record(label, f"minimax-planted-d{d}", epsilon, DELTA, seed,
-                                              result["spent"], metrics))
-                    bar.update(1)
-    summary = summarise(norms, sizes, epsilons, d, gap)
+                    for protocol_name in protocols:
+                        multiplier, scores = 1.0, {}
+                        if protocol_name == "tuned":
+                            for k in grid:
+                                result = evaluate(method, tuner, n, schedule(method, n, d, epsilon, gap, k),
+                                                  epsilon, 10_000 + int(k * 100))
+                                scores[k] = float(np.median(result["norms"]))
+                            multiplier = min(scores, key=scores.get)
+                        plan = schedule(method, n, d, epsilon, gap, multiplier)
+                        result = evaluate(method, problem, n, plan, epsilon, 0)
+                        label = f"{method} ({protocol_name})"
+                        norms.setdefault((label, "", epsilon), []).append(result["norms"])
+                        for i, seed in enumerate(seeds):
+                            metrics = {
+                                "grad_norm": float(result["norms"][i]), "n": n, "dimension": d,
+                                "coordinate": n * epsilon / math.sqrt(d), "rounds": plan.rounds,
+                                "restart": plan.restart, "lr": plan.lr, "lr_y": plan.lr_y, "tau": plan.tau,
+                                "bound": plan.bound, "noise": result["noise"], "multiplier": multiplier,
+                                "capped_rounds": int(result["capped"][i]), "gap": float(gaps[i]),
+                                "tuning_scores": {str(k): v for k, v in scores.items()},
+                            }
+                            records.append(Record(label, f"minimax-planted-d{d}", epsilon, DELTA, seed,
+                                                  result["spent"], metrics))
+                        bar.update(1)
+    summary = summarise(norms, sizes, epsilons, d, gap, protocols)
     config = {"quick": quick, "sizes": sizes, "epsilons": epsilons, "seeds": seeds, "dimension": d,
-              "atoms": m, "delta": DELTA, "gap": gap, "lipschitz": G_PHI, "cross": CROSS,
-              "smoothness": SMOOTH, "strong_concavity": MU, "summary": summary}
+              "atoms": m, "grid": grid, "tuning_seeds": tuning, "delta": DELTA, "gap": gap,
+              "lipschitz": G_PHI, "cross": CROSS, "smoothness": SMOOTH, "strong_concavity": MU,
+              "summary": summary}
     doc = document(NAME, config, records)
     os.makedirs(args.out, exist_ok=True)
     paths = save(doc, records, args.out)
@@ -245,7 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def summarise(norms, sizes, epsilons, d, gap) -> dict[str, Any]:
-    """Exponents per method and epsilon; the crossover (all epsilons pooled) and the theory's per epsilon."""
-    return regime.summarise(norms, sizes, epsilons, d, gap, ("theorem",), methods=METHODS,
+def summarise(norms, sizes, epsilons, d, gap, protocols=("theorem",)) -> dict[str, Any]:
+    """Exponents per method, protocol and epsilon; the crossover per protocol (all epsilons pooled) and the
+    theory's per epsilon."""
+    return regime.summarise(norms, sizes, epsilons, d, gap, protocols, methods=METHODS,
                             theory=lambda e: theory_crossover(d, e, gap))

@@ -160,9 +160,11 @@ def make_private(
             ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
         **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ...; see its class
             in :mod:`dpvr.optim`), except ``noise`` (give ``noise_multiplier``). The schedule settings left
-            out (DIFF2's and PrivateDiff's ``restart``,
-            PrivateDiff's ``y_steps``, the SPIDERs' ``restart`` and ``batch_sizes``) take the values of the
-            papers' theorems at this run's public sizes, budget and clip radii
+            out (DIFF2's and PrivateDiff's ``restart``, ``lr`` and, with no length given, ``steps``;
+            PrivateDiff's ``y_steps``; the SPIDERs' ``restart`` and ``batch_sizes``, Recursive-SPIDER's
+            ``lr`` and Double-SPIDER's ``lr_eta``) take the values of the papers' theorems (their proofs,
+            with the accountant's noise constant for the dropped log factors) at this run's public sizes,
+            budget and clip radii
             (:mod:`dpvr.trainer.defaults`; listed with their reasons in ``trainer.derived``).
 
     The noise is calibrated so that the whole planned run spends ``epsilon`` (unless ``noise_multiplier`` is
