@@ -46,7 +46,7 @@ from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
 from dpvr.privacy.events import DIFF2Plan, DPSGDPlan
 from dpvr.results import Record, document, format_table, write_figure
-from dpvr.trainer.defaults import Protocol, _period, diff2_protocol, diff2_tau, dpgd_protocol
+from dpvr.trainer.defaults import Protocol, diff2_protocol, diff2_tau, dpgd_protocol, restart_period
 
 from .common import derive_seed, progress, save
 
@@ -191,7 +191,8 @@ def schedule(method: str, n: int, dimension: int, epsilon: float, gap: float, mu
     base = diff2_protocol(n, 1, dimension, epsilon, DELTA, g, lip, gap)
     rounds = max(1, math.ceil(base.rounds / multiplier))
     tau = diff2_tau(n, dimension, base.noise_constant, g, lip, gap)
-    return Protocol(rounds, _period(tau, rounds), base.lr * multiplier, tau, base.bound, base.noise_constant)
+    restart = restart_period(tau, rounds)
+    return Protocol(rounds, restart, base.lr * multiplier, tau, base.bound, base.noise_constant)
 
 
 def evaluate(method: str, problem: Problem, n: int, protocol: Protocol, epsilon: float,

@@ -52,7 +52,7 @@ from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
 from dpvr.privacy.events import DPSGDAPlan, PrivateDiffPlan
 from dpvr.results import Record, document
-from dpvr.trainer.defaults import Protocol, _period, dpsgda_protocol, private_diff_protocol
+from dpvr.trainer.defaults import Protocol, dpsgda_protocol, private_diff_protocol, restart_period
 
 from . import regime
 from .common import derive_seed, progress, save
@@ -165,7 +165,7 @@ def schedule(method: str, n: int, dimension: int, epsilon: float, gap: float,
     if multiplier == 1.0:
         return base
     rounds = max(1, math.ceil(base.rounds / multiplier))
-    restart = 1 if method == "DP-SGDA" else _period(base.tau, rounds)
+    restart = 1 if method == "DP-SGDA" else restart_period(base.tau, rounds)
     return Protocol(rounds, restart, base.lr * multiplier, base.tau, base.bound, base.noise_constant,
                     base.lr_y)
 

@@ -131,8 +131,8 @@ def _radius(settings: Mapping[str, Any], stream: str, needed_for: str) -> float:
     return float(value)
 
 
-def _period(tau: float, steps: int) -> int:
-    """``T = max(1, tau R)``, a whole number of steps in ``[1, R]``."""
+def restart_period(tau: float, steps: int) -> int:
+    """The restart period ``T = max(1, tau R)`` of a theorem's ``tau``: whole steps in ``[1, R]``."""
     return int(min(steps, max(1, round(tau * steps))))
 
 
@@ -203,7 +203,7 @@ def diff2_protocol(n: int, clients: int, dimension: int, epsilon: float, delta: 
     if rounds is None:
         t = min(tau, 1.0)
         rounds = math.ceil(max(1.0 / t, total / math.sqrt(2 * c * dimension * t)))
-    restart = _period(tau, rounds)
+    restart = restart_period(tau, rounds)
     z1, z2 = diff2_noise(rounds, restart, c)
     lr = diff2_lr(total, dimension, restart, z2, smoothness)
     bound = 2 * gap / (lr * rounds) + dimension * (z1 * lipschitz / total) ** 2
@@ -276,7 +276,7 @@ def private_diff_protocol(n: int, dimension: int, epsilon: float, delta: float, 
         if with_y:
             r_y = math.sqrt(2 * gap * smoothness / (3 * c * y_dim)) / (cross * spread)
             rounds = max(1, min(rounds, math.ceil(r_y)))
-    restart = _period(tau, rounds)
+    restart = restart_period(tau, rounds)
     z1, z2, zy = private_diff_noise(rounds, restart, c)
     lr = private_diff_lr(total, dimension, restart, z2, smoothness)
     bound = 2 * gap / (lr * rounds) + 2 * dimension * (z1 * lipschitz / total) ** 2
@@ -360,7 +360,7 @@ def _diff2_restart(settings: Mapping[str, Any], p: Public) -> Derived:
     c1, c2 = _radius(settings, "restart", theorem), _radius(settings, "difference", theorem)
     c = noise_constant(p.epsilon, p.delta)
     tau = diff2_tau(p.n * p.clients, p.dimension, c, c1, c2)
-    value = _period(tau, p.steps)
+    value = restart_period(tau, p.steps)
     return Derived(value, f"{theorem}: C1={c1:g}, C2={c2:g}, d={p.dimension}, n={p.n}, P={p.clients}, "
                           f"epsilon={p.epsilon:g}, delta={p.delta:g}, c={c:.4g}, R={p.steps}: tau={tau:.3g}, "
                           f"T={value}")
@@ -395,7 +395,7 @@ def _private_diff_restart(settings: Mapping[str, Any], p: Public) -> Derived:
     c1, c2 = _radius(settings, "checkpoint", theorem), _radius(settings, "difference", theorem)
     c = noise_constant(p.epsilon, p.delta)
     tau = private_diff_tau(p.n, p.dimension, c, c1, c2)
-    value = _period(tau, p.steps)
+    value = restart_period(tau, p.steps)
     return Derived(value, f"{theorem}: C1={c1:g} (for G), C2={c2:g} (for l + kappa l), d={p.dimension}, "
                           f"n={p.n}, epsilon={p.epsilon:g}, delta={p.delta:g}, c={c:.4g}, R={p.steps}: "
                           f"tau={tau:.3g}, T={value}")
