@@ -88,6 +88,17 @@ def test_diff2_restart_and_lr_are_theorem_4_3_at_the_public_sizes():
     assert trainer.privacy_spent().epsilon <= 2.0 * (1 + 1e-9)
 
 
+def test_the_step_size_reads_the_noise_multiplier_the_run_is_given():
+    """With noise_multiplier= beside epsilon, Theorem 4.3's eta reads the difference noise the run draws,
+    not the calibration's share (it did: the rules never saw the given noise)."""
+    trainer = dpvr.make_private(_model(), nn.CrossEntropyLoss(), _data(0), algorithm="diff2", epsilon=50.0,
+                                noise_multiplier=40.0, **DIFF2)
+    restart = trainer.derived["restart"].value
+    lr = 1 / (2.0 * max(1.0, math.sqrt(restart * 46) * 40.0 / 600))
+    assert trainer.derived["lr"].value == pytest.approx(lr)
+    assert "z2=40 (given)" in trainer.derived["lr"].why
+
+
 def test_a_given_lr_or_optimizer_is_kept_and_bvr_needs_its_own():
     given = dpvr.make_private(_model(), nn.CrossEntropyLoss(), _data(0), algorithm="diff2", epsilon=2.0,
                               lr=0.3, **DIFF2)

@@ -366,6 +366,20 @@ def _diff2_restart(settings: Mapping[str, Any], p: Public) -> Derived:
                           f"T={value}")
 
 
+def _difference_multiplier(settings: Mapping[str, Any], p: Public, restart: int, shares, rule: str
+                           ) -> tuple[float, str]:
+    """The difference stream's noise multiplier a step-size rule reads, and where it came from: the run's
+    own (``settings["noise"]``: one number for every stream, or ``{stream: z}``), else the calibration's
+    equal share ``shares(R, T, c)[1]`` (``rule`` names it)."""
+    noise = settings.get("noise")
+    if isinstance(noise, Mapping):
+        noise = noise.get("difference")
+    if noise is not None:
+        return float(noise), "given"
+    c = noise_constant(p.epsilon, p.delta)
+    return shares(p.steps, restart, c)[1], f"{rule}, c={c:.4g}"
+
+
 def _diff2_lr(settings: Mapping[str, Any], p: Public) -> Derived | None:
     """DIFF2-GD, Theorem 4.3: ``eta = 1 / (C2 max(1, sqrt(T d) z2 / (n P)))`` (:func:`diff2_lr`), ``C2``
     standing in for ``L``; ``z2`` the given difference multiplier, else the calibration's (equal shares)."""
@@ -376,12 +390,7 @@ def _diff2_lr(settings: Mapping[str, Any], p: Public) -> Derived | None:
     theorem = "DIFF2 Theorem 4.3, eta = 1 / (C2 max(1, sqrt(T d) z2 / (n P)))"
     c2 = _radius(settings, "difference", theorem)
     restart = int(settings["restart"])
-    noise = settings.get("noise")
-    if isinstance(noise, Mapping) and "difference" in noise:
-        z2, source = float(noise["difference"]), "given"
-    else:
-        c = noise_constant(p.epsilon, p.delta)
-        z2, source = diff2_noise(p.steps, restart, c)[1], f"2c(R - ceil(R/T)), c={c:.4g}"
+    z2, source = _difference_multiplier(settings, p, restart, diff2_noise, "2c(R - ceil(R/T))")
     value = diff2_lr(p.n * p.clients, p.dimension, restart, z2, c2)
     return Derived(value, f"{theorem}: C2={c2:g} (for L), T={restart}, d={p.dimension}, n={p.n}, "
                           f"P={p.clients}, z2={z2:.4g} ({source}): eta={value:.4g}")
@@ -410,12 +419,7 @@ def _private_diff_lr(settings: Mapping[str, Any], p: Public) -> Derived | None:
     theorem = "PrivateDiff Theorem 6 (proof), eta = 1 / (2 C2 max(1, sqrt(2 T d) z2 / n))"
     c2 = _radius(settings, "difference", theorem)
     restart = int(settings["restart"])
-    noise = settings.get("noise")
-    if isinstance(noise, Mapping) and "difference" in noise:
-        z2, source = float(noise["difference"]), "given"
-    else:
-        c = noise_constant(p.epsilon, p.delta)
-        z2, source = private_diff_noise(p.steps, restart, c)[1], f"3c(R - ceil(R/T)), c={c:.4g}"
+    z2, source = _difference_multiplier(settings, p, restart, private_diff_noise, "3c(R - ceil(R/T))")
     value = private_diff_lr(p.n, p.dimension, restart, z2, c2)
     return Derived(value, f"{theorem}: C2={c2:g} (for l + kappa l), T={restart}, d={p.dimension}, n={p.n}, "
                           f"z2={z2:.4g} ({source}): eta={value:.4g}")

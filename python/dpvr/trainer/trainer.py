@@ -306,7 +306,9 @@ def make_private(
         steps = derived["steps"].value
     elif steps is None:
         steps = max(1, round(epochs * per_epoch))
-    derived.update(derive(algorithm, settings, dataclasses.replace(public, steps=steps)))
+    # The rules read the run's noise where it is given (a step size is a function of it).
+    rules_read = settings if noise is None else {**settings, "noise": noise}
+    derived.update(derive(algorithm, rules_read, dataclasses.replace(public, steps=steps)))
     settings.update({name: d.value for name, d in derived.items()})
     arguments: dict[str, Any] = {
         "steps": steps,
