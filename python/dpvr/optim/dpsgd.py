@@ -288,9 +288,8 @@ class DPSGD(PrivateAlgorithm):
         if self.adaptive is not None:
             # The shifted count sum_i (1[n_i <= C] - 1/2), released on the same batch (a NaN norm: a record
             # dropped as non-finite counts as clipped; any function of the record alone moves it by <= 1/2).
-            shifted = float((norms <= self.clip).sum()) - len(inputs) / 2.0
             count = self._count_sum[0]
-            count.fill_(shifted)
+            count.fill_((norms <= self.clip).sum(dtype=torch.float64) - len(inputs) / 2.0)  # on the device
             release(
                 [self._count], "clip-count", ClippedSum([count], 0.5),
                 noise_multiplier=self.noise["clip-count"], reset=True, generator=self.generator,
