@@ -281,6 +281,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out seeds the tuned protocol selects on (default 2)")
 
 
+def tune_multiplier(evaluate, schedule, method: str, tuner, n: int, d: int, epsilon: float, gap: float,
+                    grid) -> tuple[float, dict[float, float]]:
+    """The step multiplier ``k`` of ``grid`` whose schedule gives the lowest median gradient norm on the
+    held-out ``tuner`` instances (a public grid on public instances), and every ``k``'s score."""
+    scores = {}
+    for k in grid:
+        result = evaluate(method, tuner, n, schedule(method, n, d, epsilon, gap, k), epsilon,
+                          10_000 + int(k * 100))
+        scores[k] = float(np.median(result["norms"]))
+    return min(scores, key=scores.get), scores
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "paper", "diff2") == "private-diff":
         from . import regime_minimax
@@ -308,11 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for protocol_name in protocols:
                         multiplier, scores = 1.0, {}
                         if protocol_name == "tuned":
-                            for k in grid:
-                                result = evaluate(method, tuner, n, schedule(method, n, d, epsilon, gap, k),
-                                                  epsilon, 10_000 + int(k * 100))
-                                scores[k] = float(np.median(result["norms"]))
-                            multiplier = min(scores, key=scores.get)
+                            multiplier, scores = tune_multiplier(evaluate, schedule, method, tuner, n, d,
+                                                                 epsilon, gap, grid)
                         plan = schedule(method, n, d, epsilon, gap, multiplier)
                         result = evaluate(method, problem, n, plan, epsilon, 0)
                         label = f"{method} ({protocol_name})"

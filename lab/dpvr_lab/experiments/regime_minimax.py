@@ -237,11 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for protocol_name in protocols:
                         multiplier, scores = 1.0, {}
                         if protocol_name == "tuned":
-                            for k in grid:
-                                result = evaluate(method, tuner, n, schedule(method, n, d, epsilon, gap, k),
-                                                  epsilon, 10_000 + int(k * 100))
-                                scores[k] = float(np.median(result["norms"]))
-                            multiplier = min(scores, key=scores.get)
+                            multiplier, scores = regime.tune_multiplier(evaluate, schedule, method, tuner, n,
+                                                                        d, epsilon, gap, grid)
                         plan = schedule(method, n, d, epsilon, gap, multiplier)
                         result = evaluate(method, problem, n, plan, epsilon, 0)
                         label = f"{method} ({protocol_name})"
