@@ -1,8 +1,10 @@
 """Records: the algorithms read exactly the records their accounted sampler draws, from tensors in memory or
 from a user's Dataset loaded batch by batch (fresh augmentations, lazy datasets, per-batch collates)."""
 
+import gc
 import math
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -492,3 +494,21 @@ def test_a_collate_must_give_one_row_per_record():
 
     with pytest.raises(ValueError, match="one row of each per record"):
         DatasetRecords(Counted(x, y), first_only)
+
+
+def test_records_dropped_without_close_are_freed_at_once_with_their_workers():
+    """Records with loader workers, dropped mid-run without close(), are freed by reference counting (their
+    streams hold no reference back to them), so their workers shut down then. In a reference cycle they
+    waited for a garbage-collector pass, whose shutdown of each worker ran into its join timeout."""
+    x, y = data()
+    records = DatasetRecords(Counted(x, y), num_workers=2, prefetch_factor=2)
+    run = DPSGD(model_fn(), loss, records, lr=0.3, clip=0.5, steps=8, batch_size=8, noise=1.0,
+                runtime=RuntimeConfig(generator=gen(), sampler_seed=4))
+    run.run(3, progress=False)  # mid-run: the loader has drawn ahead
+    alive = weakref.ref(records)
+    gc.disable()
+    try:
+        del run, records
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -245,19 +245,21 @@ def records_fingerprint(records: Sequence[Records]) -> str:
 
 class _Feed:
     """The batch sampler of one stream's ``DataLoader``: the sampler's pending draws, then new ones drawn
-    ahead (kept pending until the algorithm consumes them), skipping empty draws (which load nothing)."""
+    ahead (kept pending until the algorithm consumes them), skipping empty draws (which load nothing).
 
-    def __init__(self, stream: _Stream) -> None:
-        self.stream = stream
+    ``handed``: how many of the sampler's pending draws (from the oldest) it has given the loader."""
+
+    def __init__(self, sampler: BatchSampler) -> None:
+        self.sampler = sampler
+        self.handed = 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        stream = self.stream
-        sampler = stream.sampler
+        sampler = self.sampler
         while True:
-            while stream.handed >= len(sampler.pending):
+            while self.handed >= len(sampler.pending):
                 sampler.draw_ahead()
-            indices = sampler.pending[stream.handed]
-            stream.handed += 1
+            indices = sampler.pending[self.handed]
+            self.handed += 1
             if len(indices):
                 yield indices.tolist()
 
@@ -265,25 +267,26 @@ class _Feed:
 class _Stream:
     """One sampler's batches through a ``DataLoader`` that prefetches them (see the module documentation).
 
-    ``handed``: how many of the sampler's pending draws (from the oldest) the loader has been given."""
+    Nothing it holds refers back to it or to its records: records dropped without :meth:`~Records.close`
+    are then freed at once by reference counting, which shuts their workers down. In a reference cycle they
+    would wait for the garbage collector, whose pass finalises the workers' queues with the cycle, so the
+    shutdown's join of each worker runs into its timeout (seconds per worker, at an arbitrary later point).
+    """
 
-    def __init__(self, records: DatasetRecords, sampler: BatchSampler) -> None:
-        self.records, self.sampler = records, sampler
-        self.loader: DataLoader | None = None
+    def __init__(self, loader: DataLoader, feed: _Feed) -> None:
+        self.loader, self.feed, self.sampler = loader, feed, feed.sampler
         self.iterator: Iterator[Any] | None = None
         self.generation: int | None = None
-        self.handed = 0
 
     def _open(self) -> None:
         """A fresh iterator from the sampler's current state (its pending draws first)."""
-        if self.loader is None:
-            self.loader = self.records._loader(_Feed(self))
         self.iterator = None  # a non-persistent loader's old iterator shuts its workers down when collected
-        self.handed = 0
+        self.feed.handed = 0
         self.iterator = iter(self.loader)
         self.generation = self.sampler.generation
 
-    def next(self) -> Batch:
+    def next(self) -> tuple[Any, int] | None:
+        """The next draw as the loader collated it, with its number of records; None for an empty draw."""
         sampler = self.sampler
         if self.generation != sampler.generation:  # the sampler was restored or restarted
             self._open()
@@ -291,20 +294,19 @@ class _Stream:
             sampler.draw_ahead()
         if len(sampler.pending[0]) == 0:
             sampler.draw()
-            self.handed = max(0, self.handed - 1)
-            return self.records.empty()
+            self.feed.handed = max(0, self.feed.handed - 1)
+            return None
         try:
             raw = next(self.iterator)  # the loader returns batches in the order the feed gave them
         except BaseException:  # e.g. the dataset raised: reopen on the next call, this draw still pending
             self.generation = None
             raise
         indices = sampler.draw()
-        self.handed -= 1
-        return _check_rows(self.records.convert(raw), len(indices))
+        self.feed.handed -= 1
+        return raw, len(indices)
 
     def close(self) -> None:
         self.iterator = None
-        self.loader = None
 
 
 def _check_rows(batch: Batch, records: int) -> Batch:
@@ -540,8 +542,13 @@ class DatasetRecords(Records):
             return self.full()
         stream = self._streams.get(id(sampler))
         if stream is None or stream.sampler is not sampler:
-            stream = self._streams[id(sampler)] = _Stream(self, sampler)
-        return stream.next()
+            feed = _Feed(sampler)
+            stream = self._streams[id(sampler)] = _Stream(self._loader(feed), feed)
+        drawn = stream.next()
+        if drawn is None:
+            return self.empty()
+        raw, records = drawn
+        return _check_rows(self.convert(raw), records)
 
     def full(self) -> Batch:
         if self._full is not None:
