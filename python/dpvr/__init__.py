@@ -4,6 +4,7 @@ The public API is re-exported here; see the subpackages for the layers (ops, pri
 The algorithms and accounting entry points load on first use, so ``import dpvr`` stays light.
 """
 
+import importlib
 from importlib import metadata as _metadata
 
 from .ops import (
@@ -41,8 +42,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        import importlib
-
         module = importlib.import_module(_LAZY[name])
         # A subpackage (``dpvr.audit``) is the name itself: once imported, it is the attribute anyway.
         value = module if _LAZY[name] == f"{__name__}.{name}" else getattr(module, name)

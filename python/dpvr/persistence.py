@@ -1,8 +1,9 @@
 """Files that must survive a crash: atomic replacement, the checkpoint format, write-ahead journals.
 
 Every result and state file dpvr writes goes through :func:`atomic_write`, so a reader (or a resume after a
-crash) sees the old file or the new one, never a mixture. A bottom layer: it imports torch and the
-standard library only, and knows nothing of what the files mean.
+crash) sees the old file or the new one, never a mixture. A bottom layer: it imports the standard library
+only (and torch, for the checkpoint codec, when a checkpoint is written or read, so that the command line
+starts without torch), and knows nothing of what the files mean.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import os
 import secrets
 from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 CHECKPOINT_MAGIC = b"DPVR-CHECKPOINT\n"
 CHECKPOINT_VERSION = 2
@@ -69,6 +68,8 @@ def encode_checkpoint(state: Any, algorithm: str) -> bytes:
     and SHA-256) and the payload, ``state`` as :func:`torch.save` writes it. The header lets a reader refuse
     a truncated, altered or foreign file before unpickling anything.
     """
+    import torch  # the checkpoint codec alone needs torch: the command line writes results without it
+
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
@@ -107,6 +108,8 @@ def decode_checkpoint(data: bytes, path: str | os.PathLike[str], algorithm: str 
         raise ValueError(f"{where}: checksum mismatch (the file was altered)")
     if algorithm is not None and header.get("algorithm") != algorithm:
         raise ValueError(f"{where}: written by {header.get('algorithm')!r}, not {algorithm}")
+    import torch  # as in encode_checkpoint
+
     try:
         return torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as err:  # an intact file that dpvr did not write: crafted, or another program's

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy
+
 from .persistence import atomic_write
 
 
@@ -31,9 +33,7 @@ class Record:
 
 def versions() -> dict[str, str]:
     """Versions of dpvr and of the libraries a result depends on."""
-    import numpy
-
-    from . import __version__
+    from . import __version__  # at call time: the package's __init__ is still running when this module loads
 
     out = {"dpvr": __version__, "python": platform.python_version(), "numpy": numpy.__version__}
     for name in ("torch", "dp_accounting", "opacus"):

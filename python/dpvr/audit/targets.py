@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..objectives.divergences import KL
+from ..objectives.phased_problems import LogisticRegression
 from ..ops import NoiseGenerator
 from ..optim import (
     DIFF2,
@@ -422,8 +423,6 @@ class PhasedGame:
     def play(
         self, side: int, generator: NoiseGenerator, seed: int, account: bool
     ) -> tuple[float, float | None]:
-        from ..objectives.phased_problems import LogisticRegression
-
         features = np.zeros((16, 1))
         features[0, 0] = 1.0
         labels = np.ones(16)

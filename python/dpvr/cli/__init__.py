@@ -6,8 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ._lab import LabMissing
+
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at the top, so that ``import dpvr.cli`` (the console script's entry) costs nothing
+    # until a command line is parsed; each subcommand's own heavy imports wait for its run.
     from . import account, audit, bench, compare, experiment
 
     parser = argparse.ArgumentParser(
@@ -22,8 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ._lab import LabMissing
-
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)

@@ -14,6 +14,8 @@ import argparse
 import json
 from types import ModuleType
 
+import numpy as np
+
 from ..privacy import Accountant, Plan, PrivacyReport, calibrate, spend_curves
 from ..privacy.relations import tightest_accountant
 from ..registry import CALIBRATION, PRIVACY, REGISTRY, AlgorithmSpec, Argument, Sigma
@@ -139,8 +141,6 @@ def _plot(path: str, spec: AlgorithmSpec, plan: Plan, noise: dict[str, float], d
           accountant: str) -> None:
     """Epsilon spent against the steps of the run, per bound that accounts it (the last-iterate plan draws
     its bound beside composition of passes: the paper's Figure 1)."""
-    import numpy as np
-
     plt = _pyplot()
 
     total = getattr(plan, "steps", 1)

@@ -13,7 +13,10 @@ import argparse
 import sys
 import textwrap
 
+from tqdm import tqdm
+
 from ..registry import REGISTRY, audit_games
+from ..results import Record, document, format_table, write_json
 from .flags import with_default
 
 _DESCRIPTION = (
@@ -28,7 +31,7 @@ _DESCRIPTION = (
 
 def _games_help() -> str:
     """The games of each algorithm with what each one plays, and the default delta (imports the games)."""
-    from ..audit import DEFAULT_DELTA, TARGETS
+    from ..audit import DEFAULT_DELTA, TARGETS  # the games import torch: only when they are listed or run
 
     lines = ["games, by algorithm:"]
     for spec in REGISTRY.values():
@@ -90,10 +93,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from ..audit import DEFAULT_DELTA, TARGETS, audit
-    from ..results import Record, document, format_table, write_json
+    from ..audit import DEFAULT_DELTA, TARGETS, audit  # as in _games_help: torch only when auditing
 
     target = TARGETS[args.algorithm]
     delta = DEFAULT_DELTA if args.delta is None else args.delta

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..results import Record, document, format_table, write_json
 from ._lab import available, lab
 from .flags import with_default
 
@@ -79,8 +80,6 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..results import document, format_table, write_json
-
     bench = lab("bench", "bench")
     CASES, REAL_CASES, SCALE_DEFAULT = bench.CASES, bench.REAL_CASES, bench.SCALE_DEFAULT
     host = lab("bench.host", "bench")
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         if args.reduced and not set(cases) <= set(REAL_CASES):
             raise ValueError(f"--reduced: only the real cases have a reduced size ({', '.join(REAL_CASES)}); "
                              f"got {', '.join(c for c in cases if c not in REAL_CASES)}")
-        import torch
+        import torch  # here only: the command line starts without torch
 
         autocast = torch.bfloat16 if args.autocast == "bf16" else None
         records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
@@ -154,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_cuda(args: argparse.Namespace) -> int:
     cuda_kernels = lab("bench.cuda_kernels", "bench")
-    from ..results import Record, document, write_json
 
     raw = cuda_kernels.run(min_seconds=0.05 if args.quick else 0.2)
     print(cuda_kernels.markdown(raw))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data import PublicScaling, load, split_clients, split_public, train_test_split
 from ..optim import PrivacyConfig
 from ..optim.diff2 import Shard
 from ..privacy import PaperSigmas
@@ -39,8 +40,6 @@ def squared_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def demo(client: int | None, clients: int) -> tuple[nn.Module, LossFn, Shard | None]:
     """Shard ``client`` of the bundled diabetes set and a 10-unit softplus MLP (the same on every rank)."""
-    from ..data import PublicScaling, load, split_clients, split_public, train_test_split
-
     public, private = split_public(load("diabetes"), seed=0)
     train, _ = train_test_split(private, test_fraction=0.2, seed=0)
     train = PublicScaling.fit(public)(train)

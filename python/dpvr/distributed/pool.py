@@ -47,7 +47,7 @@ def _shippable(obj: Any, name: str) -> _Pickled:
     lambda, a nested function or one defined in an interactive ``__main__`` has no such reference.
     cloudpickle, where installed, ships those by value (and everything importable still by reference)."""
     try:
-        import cloudpickle
+        import cloudpickle  # optional (not a dependency of dpvr): looked for when a client needs it
     except ImportError:
         cloudpickle = None
     dumps = pickle.dumps if cloudpickle is None else cloudpickle.dumps

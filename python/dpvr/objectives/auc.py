@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from scipy.stats import rankdata
 from torch import Tensor, nn
 
 from ..problems import MinimaxProblem
@@ -157,8 +158,6 @@ class AUCMargin(MinimaxProblem):
 def auc_score(scores: np.ndarray | Tensor, labels: np.ndarray | Tensor) -> float:
     """Area under the ROC curve: the probability that a random positive (label 1) scores above a random
     negative, ties counting one half (the Mann-Whitney statistic from average ranks)."""
-    from scipy.stats import rankdata
-
     s = np.asarray(scores.detach().cpu() if isinstance(scores, Tensor) else scores, dtype=np.float64)
     y = np.asarray(labels.detach().cpu() if isinstance(labels, Tensor) else labels).reshape(-1) == 1
     s = s.reshape(-1)

@@ -48,7 +48,7 @@ class ArrayView:
 
 
 def _torch_view(a: Any, name: str) -> ArrayView:
-    import torch
+    import torch  # lazily: dpvr.ops serves numpy and cupy arrays without torch
 
     if a.layout != torch.strided:
         raise TypeError(f"{name}: sparse or non-strided tensors are not supported (layout {a.layout})")
@@ -105,7 +105,7 @@ def contiguous_copy(v: ArrayView) -> ArrayView:
         return view(a.contiguous(), "copy")
     if v.framework == "numpy":
         return view(np.ascontiguousarray(a), "copy")
-    import cupy
+    import cupy  # optional: only cupy arrays reach here
 
     return view(cupy.ascontiguousarray(a), "copy")
 
@@ -134,9 +134,9 @@ def cuda_stream(device: int, framework: str) -> int:
     if device == CPU:
         return 0
     if framework == "cupy":
-        import cupy
+        import cupy  # optional: only cupy arrays reach here
 
         return int(cupy.cuda.get_current_stream().ptr)
-    import torch
+    import torch  # lazily: dpvr.ops serves numpy and cupy arrays without torch
 
     return int(torch.cuda.current_stream(device).cuda_stream)

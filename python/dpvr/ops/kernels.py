@@ -106,11 +106,11 @@ class _Call:
             buf = np.zeros(1, dtype=dtype)
             return buf, buf.ctypes.data
         if self.framework == "cupy":
-            import cupy
+            import cupy  # optional: only cupy arrays reach here
 
             buf = cupy.zeros(1, dtype=dtype)
             return buf, buf.data.ptr
-        import torch
+        import torch  # lazily: dpvr.ops serves numpy and cupy arrays without torch
 
         buf = torch.zeros(1, dtype=getattr(torch, dtype), device=f"cuda:{self.device}")
         return buf, buf.data_ptr()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..grads import trainable_parameters
 from ..ops import NoiseGenerator
@@ -293,8 +294,6 @@ class PrivateAlgorithm(Guarded):
     ) -> list[dict[str, float]]:
         """Runs ``steps`` steps (default: what remains of the planned run); returns per-step info.
         ``progress=True`` shows a progress bar (the library prints nothing unless asked)."""
-        from tqdm import tqdm
-
         remaining = self.total_steps - self.steps_done if steps is None else steps
         history = []
         for _ in tqdm(range(remaining), desc=self.name, disable=not progress, leave=False):

@@ -62,7 +62,7 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)\.dpvr$")
 
 def _refusals(trainer: Any) -> list[str]:
     """The ``Trainer``'s settings dpvr cannot honour privately, each named with the reason."""
-    import transformers
+    import transformers  # optional, as in every function here: only a Trainer's owner has it
 
     args, base, kind = trainer.args, transformers.Trainer, type(trainer)
     problems = []
