@@ -57,7 +57,7 @@ def generate_chunk(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
     Deterministic, and the global numpy random state is restored afterwards (the generator seeds it)."""
     try:
-        from mnist1d.data import get_dataset_args, make_dataset
+        from mnist1d.data import get_dataset_args, make_dataset  # optional: the "mnist1d" extra
     except ImportError as err:
         raise ImportError('MNIST-1D datasets need the mnist1d package: pip install "dpvr[mnist1d]"') from err
     args = get_dataset_args()

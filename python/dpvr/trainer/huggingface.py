@@ -189,7 +189,7 @@ class PrivateHFTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, float]:
         """Runs the planned steps (from a checkpoint: a path, or ``True`` for the newest in ``output_dir``),
         with the ``Trainer``'s callbacks, logs and checkpoints; returns the last logs (``epsilon`` in it)."""
-        import transformers
+        import transformers  # optional, as everywhere in this module
 
         trainer, args, private = self.trainer, self.trainer.args, self.private
         per_epoch = private.steps_per_epoch
@@ -286,7 +286,7 @@ def make_private_trainer(
     everything the ``Trainer`` does with them (optimizer, scheduler, ``max_grad_norm``, logs of
     ``epsilon`` and ``learning_rate``, checkpoints) is post-processing.
     """
-    import transformers
+    import transformers  # optional, as everywhere in this module
 
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"trainer: expected a transformers.Trainer, got {type(trainer).__name__}")
@@ -306,7 +306,7 @@ def make_private_trainer(
     logical = physical * args.gradient_accumulation_steps
     dataset = trainer.train_dataset
     try:  # a datasets.Dataset: the Trainer's own column pruning (the model's forward arguments and labels)
-        import datasets
+        import datasets  # optional: a datasets.Dataset exists only where it is installed
 
         if isinstance(dataset, datasets.Dataset) and args.remove_unused_columns:
             dataset = trainer._remove_unused_columns(dataset, description="training")
