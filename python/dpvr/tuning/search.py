@@ -232,6 +232,53 @@ def tune(
     spends besides (a noisy preprocessing release, say) composes with it there.
     """
     count = TrialCount.make(distribution, trials_mean, shape)
+    _check_settings(epsilon, delta, score_sensitivity, score_noise, max_trials, constant_time)
+    cap = _cap(count, epsilon, delta, max_trials) if constant_time else None
+    truncation = 0.0 if cap is None else _truncation(count, epsilon, cap)
+    template = _template(privacy)
+    draw = _drawer(candidates)
+    randomness = SearchRandomness.make(seed, reproducible=reproducible)
+
+    probes = list(candidates) if not callable(candidates) else [draw(randomness.candidates)]
+    plan = _plan_of(build, probes, dataclasses.replace(template, epsilon=epsilon, delta=delta))
+    trial_delta = _trial_delta(delta, count, plan, truncation, cap)
+    solver = _Calibration(plan, template, count, delta, trial_delta, score_sensitivity, score_noise)
+    run_epsilon, trial = _solve(solver, epsilon)
+    event = search_event(trial.event, count)
+    spent = epsilon_of(event, trial_delta, trial.neighbouring)
+    assert spent <= epsilon, f"the calibrated search spends {spent} > {epsilon}"
+
+    trial_privacy = dataclasses.replace(template, epsilon=run_epsilon, delta=delta)
+    drawn = count.draw(randomness.count)
+    # A constant-time search runs the cap whatever K is; trials past K are padding (same work, dropped).
+    trials, best = _run_trials(
+        build, draw, trial, trial_privacy, randomness, drawn=drawn, runs=drawn if cap is None else cap,
+        train=train, score=score, sign=1.0 if maximize else -1.0,
+        score_noise=None if score_noise is None else score_noise * score_sensitivity,
+    )
+    accountant = _search_accountant(event, trial, count, truncation, cap, seeded=randomness.seed is not None)
+    chosen = None if best is None else trials[best[1]]
+    return TuningResult(
+        best=None if chosen is None else chosen.candidate,
+        algorithm=None if best is None else _algorithm_of(best[2]),
+        score=None if chosen is None else chosen.score,
+        trials=tuple(trials),
+        trials_drawn=drawn,
+        per_trial_epsilon=epsilon_of(trial.event, delta - trial.failure_probability, trial.neighbouring),
+        epsilon=spent,
+        delta=delta,
+        count=count,
+        noise=dict(trial.noise),
+        event=event,
+        accountant=accountant,
+        max_trials=cap,
+        trainer=None if best is None or isinstance(best[2], PrivateAlgorithm) else best[2],
+    )
+
+
+def _check_settings(epsilon: float, delta: float, score_sensitivity: float | None, score_noise: float | None,
+                    max_trials: int | None, constant_time: bool) -> None:
+    """Refuses the settings of :func:`tune` that describe no search it can account."""
     if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     if not 0 < delta < 1:
@@ -249,14 +296,11 @@ def tune(
             "max_trials caps a constant_time search; give constant_time=True (a cap alone would "
             "change the law of K and still let the running time reveal it)"
         )
-    cap = _cap(count, epsilon, delta, max_trials) if constant_time else None
-    truncation = 0.0 if cap is None else _truncation(count, epsilon, cap)
-    template = _template(privacy)
-    draw = _drawer(candidates)
-    randomness = SearchRandomness.make(seed, reproducible=reproducible)
 
-    probes = list(candidates) if not callable(candidates) else [draw(randomness.candidates)]
-    plan = _plan_of(build, probes, dataclasses.replace(template, epsilon=epsilon, delta=delta))
+
+def _trial_delta(delta: float, count: TrialCount, plan: Plan, truncation: float, cap: int | None) -> float:
+    """The delta left to the trials' event: ``delta`` less the union bound over the expected ``K`` trials'
+    failure probabilities and the cost of the cap (refused when nothing is left)."""
     trial_delta = delta - count.mean * _failure(plan) - truncation
     if trial_delta <= 0:
         raise ValueError(
@@ -264,21 +308,23 @@ def tune(
             f"({count.mean} x {_failure(plan)})"
             + (f" plus the cost of the cap max_trials={cap} ({truncation:.3g})" if cap else "")
         )
-    solver = _Calibration(plan, template, count, delta, trial_delta, score_sensitivity, score_noise)
-    run_epsilon, trial = _solve(solver, epsilon)
-    event = search_event(trial.event, count)
-    spent = epsilon_of(event, trial_delta, trial.neighbouring)
-    assert spent <= epsilon, f"the calibrated search spends {spent} > {epsilon}"
+    return trial_delta
 
-    trial_privacy = dataclasses.replace(template, epsilon=run_epsilon, delta=delta)
-    per_trial_epsilon = epsilon_of(trial.event, delta - trial.failure_probability, trial.neighbouring)
-    sign = 1.0 if maximize else -1.0
-    drawn = count.draw(randomness.count)
+
+def _run_trials(build: Build[C], draw: Callable[[np.random.Generator], C], trial: _Trial,
+                trial_privacy: PrivacyConfig, randomness: SearchRandomness, *, drawn: int, runs: int,
+                train: Callable[[Any], None] | None, score: Callable[[Any], float], sign: float,
+                score_noise: float | None) -> tuple[list[Trial[C]], tuple[float, int, Any] | None]:
+    """Runs ``runs`` trials, of which the first ``drawn`` (K) are the search's and the rest padding; returns
+    the search's trials and its best one as ``(signed score, trial index, its run as built)``.
+
+    Each trial is checked against the calibrated mechanism before it runs and against the plan after, is
+    independent of the others (:class:`Independence`), and is closed when scored. ``score_noise``: the std
+    of the Gaussian noise on a score that reads private data (None: the score is post-processing)."""
     trials: list[Trial[C]] = []
-    best: tuple[float, int, Any] | None = None  # (signed score, trial index, its run as built)
+    best: tuple[float, int, Any] | None = None
     independence = Independence()
-    # A constant-time search runs the cap whatever K is; trials past K are padding (same work, dropped).
-    for index in range(drawn if cap is None else cap):
+    for index in range(runs):
         candidate = draw(randomness.candidates)
         built = build(candidate, trial_privacy)
         try:
@@ -291,14 +337,20 @@ def tune(
         finally:  # its loader workers now, not when collected (possibly inside a later trial's worker)
             _close(built)
         if score_noise is not None and math.isfinite(value):
-            value += float(randomness.score_noise.normal(0.0, score_noise * score_sensitivity))
+            value += float(randomness.score_noise.normal(0.0, score_noise))
         if index >= drawn:
             continue
         trials.append(Trial(candidate, value))
         key = sign * value if math.isfinite(value) else -math.inf
         if best is None or key > best[0]:
             best = (key, index, built)
+    return trials, best
 
+
+def _search_accountant(event: dpa.DpEvent, trial: _Trial, count: TrialCount, truncation: float,
+                       cap: int | None, *, seeded: bool) -> Accountant:
+    """An accountant holding the whole search as one release, with its failure probabilities and the
+    assumptions its guarantee rests on."""
     accountant = Accountant(RDP.name, trial.neighbouring)
     accountant.record(_SEARCH_STREAM, event)
     if trial.failure_probability:
@@ -310,28 +362,12 @@ def tune(
             f"first min(K, {cap}) only is charged (1 + e^epsilon) P(K > {cap}) in delta"
         )
     accountant.assume("the number of trials and every trial but the best stay secret")
-    if randomness.seed is not None:
+    if seeded:
         accountant.assume(
             "the search's seed stays secret: it fixes the number of trials, the candidates and the score "
             "noise"
         )
-    chosen = None if best is None else trials[best[1]]
-    return TuningResult(
-        best=None if chosen is None else chosen.candidate,
-        algorithm=None if best is None else _algorithm_of(best[2]),
-        score=None if chosen is None else chosen.score,
-        trials=tuple(trials),
-        trials_drawn=drawn,
-        per_trial_epsilon=per_trial_epsilon,
-        epsilon=spent,
-        delta=delta,
-        count=count,
-        noise=dict(trial.noise),
-        event=event,
-        accountant=accountant,
-        max_trials=cap,
-        trainer=None if best is None or isinstance(best[2], PrivateAlgorithm) else best[2],
-    )
+    return accountant
 
 
 def _truncation(count: TrialCount, epsilon: float, cap: int) -> float:
