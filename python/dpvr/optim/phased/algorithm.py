@@ -241,6 +241,39 @@ def _positive(name: str, value: float | None) -> float | None:
     return value
 
 
+def _check_arguments(setting: str, privacy: PrivacyConfig, runtime: RuntimeConfig,
+                     accountant: Accountant | None, **phased_only: Any) -> None:
+    """Refuses settings of :class:`PhasedOutputPerturbation` it cannot run or account."""
+    if privacy.epsilon is None:
+        raise ValueError("privacy: the phased framework needs the budget PrivacyConfig(epsilon=...)")
+    if privacy.neighbouring not in (None, "replace-one"):
+        raise ValueError(
+            f"privacy: neighbouring={privacy.neighbouring!r}: the phased framework is accounted under "
+            "neighbouring='replace-one' only (its sensitivities are replace-one stability bounds that "
+            "shrink with the dataset size, which add/remove adjacency makes private)"
+        )
+    if setting not in SETTINGS:
+        raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
+    for name, value in phased_only.items():
+        if value is not None and not _RUNS[setting][0].phased:
+            raise ValueError(
+                f"{name} is used only by the phased settings ('c', 'c-c', 'c-sc'), not by {setting!r}"
+            )
+    phases = phased_only.get("phases")
+    if phases is not None and (isinstance(phases, bool) or int(phases) != phases or phases < 1):
+        raise ValueError(f"phases must be an integer >= 1, got {phases!r}")
+    if accountant is not None and accountant.neighbouring != "replace-one":
+        raise ValueError(
+            "accountant must use neighbouring='replace-one' (the phased sensitivities are "
+            f"replace-one stability bounds), got {accountant.neighbouring!r}"
+        )
+    generator, seed = runtime.generator, runtime.sampler_seed
+    if generator is not None and not isinstance(generator, NoiseGenerator):
+        raise ValueError(f"generator must be a dpvr NoiseGenerator, got {type(generator).__name__}")
+    if seed is not None and (isinstance(seed, bool) or int(seed) != seed or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+
+
 class PhasedOutputPerturbation(Guarded):
     """The phased output-perturbation framework for one ``setting`` (see the module documentation).
 
@@ -309,35 +342,9 @@ class PhasedOutputPerturbation(Guarded):
         noise: Mapping[str, float] | float | None = None,
         runtime: RuntimeConfig = RuntimeConfig(),
     ) -> None:
-        if privacy.epsilon is None:
-            raise ValueError("privacy: the phased framework needs the budget PrivacyConfig(epsilon=...)")
-        if privacy.neighbouring not in (None, "replace-one"):
-            raise ValueError(
-                f"privacy: neighbouring={privacy.neighbouring!r}: the phased framework is accounted under "
-                "neighbouring='replace-one' only (its sensitivities are replace-one stability bounds that "
-                "shrink with the dataset size, which add/remove adjacency makes private)"
-            )
+        _check_arguments(setting, privacy, runtime, accountant, mu=mu, radius=radius, phases=phases)
         epsilon, delta = privacy.epsilon, privacy.delta
         generator, seed, nonfinite = runtime.generator, runtime.sampler_seed, runtime.nonfinite
-        if setting not in SETTINGS:
-            raise ValueError(f"setting must be one of {SETTINGS}, got {setting!r}")
-        phased = _RUNS[setting][0].phased
-        for name, value in (("mu", mu), ("radius", radius), ("phases", phases)):
-            if value is not None and not phased:
-                raise ValueError(
-                    f"{name} is used only by the phased settings ('c', 'c-c', 'c-sc'), not by {setting!r}"
-                )
-        if phases is not None and (isinstance(phases, bool) or int(phases) != phases or phases < 1):
-            raise ValueError(f"phases must be an integer >= 1, got {phases!r}")
-        if accountant is not None and accountant.neighbouring != "replace-one":
-            raise ValueError(
-                "accountant must use neighbouring='replace-one' (the phased sensitivities are "
-                f"replace-one stability bounds), got {accountant.neighbouring!r}"
-            )
-        if generator is not None and not isinstance(generator, NoiseGenerator):
-            raise ValueError(f"generator must be a dpvr NoiseGenerator, got {type(generator).__name__}")
-        if seed is not None and (isinstance(seed, bool) or int(seed) != seed or seed < 0):
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.setting = setting
         self.epsilon = _positive("epsilon", epsilon)
         self.delta = float(delta)
@@ -345,16 +352,8 @@ class PhasedOutputPerturbation(Guarded):
         ratio = release_ratio(setting, epsilon, delta, gaussian)  # validates delta and gaussian
         self._plan = PhasedPlan(setting)
         kind = privacy.accountant or tightest_accountant(self._plan)
-        if noise is None:
-            self.ratios = dict.fromkeys(self._plan.streams, ratio)
-        else:
-            multipliers = noise_dict(self._plan.streams, noise)
-            spent = account(self._plan(multipliers), delta, accountant=kind).epsilon
-            if spent > self.epsilon * (1 + 1e-9):
-                raise ValueError(
-                    f"noise: {multipliers} spends epsilon={spent:.4g} > the budget {self.epsilon:g}"
-                )
-            self.ratios = {name: z / 2 for name, z in multipliers.items()}  # sigma/Delta, replace-one unit
+        self.ratios = (dict.fromkeys(self._plan.streams, ratio) if noise is None
+                       else self._given_ratios(noise, kind))
         self.nonfinite = check_nonfinite(nonfinite)
         self.gaussian = gaussian
         self.solver = solver
@@ -384,6 +383,14 @@ class PhasedOutputPerturbation(Guarded):
             ).items()
         }  # fmt: skip
         self.guard.ledger = bind_run(self.generator, self._binding)
+
+    def _given_ratios(self, noise: Mapping[str, float] | float, kind: str) -> dict[str, float]:
+        """Each stream's sigma / Delta from given noise multipliers, refused past the budget."""
+        multipliers = noise_dict(self._plan.streams, noise)
+        spent = account(self._plan(multipliers), self.delta, accountant=kind).epsilon
+        if spent > self.epsilon * (1 + 1e-9):
+            raise ValueError(f"noise: {multipliers} spends epsilon={spent:.4g} > the budget {self.epsilon:g}")
+        return {name: z / 2 for name, z in multipliers.items()}  # sigma/Delta, in replace-one units
 
     # -- the phase loop ----------------------------------------------------------------------------------
 
@@ -465,26 +472,7 @@ class PhasedOutputPerturbation(Guarded):
             np.random.default_rng([self.seed, index, k]),
             nonfinite=self.nonfinite,
         )
-        result = solver.solve(phase, centre.copy())
-        point = np.asarray(result.point, dtype=np.float64)
-        radius = float(result.radius)
-        if point.shape != (phase.dim,) or not np.all(np.isfinite(point)):
-            raise CertificateError(
-                f"run {index}, phase {k}: the solver returned a point of shape "
-                f"{point.shape} (finite: {bool(np.all(np.isfinite(point)))}); expected a "
-                f"finite point of shape ({phase.dim},)"
-            )
-        # Projecting onto X x Y never moves a point away from the (feasible) solution, so the solver's
-        # certificate still holds, and the recomputed one needs a feasible point.
-        point = phase.project(point)
-        if self.verify and radius <= phase.target:
-            radius = max(radius, phase.certify(point))
-        if not radius <= phase.target:
-            raise CertificateError(
-                f"run {index}, phase {k}: the solver certified a radius of {radius:.3g}, above the target "
-                f"{phase.target:.3g}, after {phase.grad_evals} gradient evaluations; nothing was released "
-                "(raise the solver's budget, or the tolerance)"
-            )
+        point, radius = self._certified(phase, solver.solve(phase, centre.copy()), f"run {index}, phase {k}")
         points = list(points)
         sensitivity, sigma = {}, {}
         for b in spec.released:
@@ -516,6 +504,29 @@ class PhasedOutputPerturbation(Guarded):
         )
         self._points[index] = [p.tolist() for p in points]
         return points
+
+    def _certified(self, phase: PhaseProblem, result: Any, where: str) -> tuple[np.ndarray, float]:
+        """The solver's point, projected onto the domain, and its certified radius; a
+        :class:`CertificateError` (nothing released) unless the radius is within the phase's target."""
+        point = np.asarray(result.point, dtype=np.float64)
+        radius = float(result.radius)
+        if point.shape != (phase.dim,) or not np.all(np.isfinite(point)):
+            raise CertificateError(
+                f"{where}: the solver returned a point of shape {point.shape} (finite: "
+                f"{bool(np.all(np.isfinite(point)))}); expected a finite point of shape ({phase.dim},)"
+            )
+        # Projecting onto X x Y never moves a point away from the (feasible) solution, so the solver's
+        # certificate still holds, and the recomputed one needs a feasible point.
+        point = phase.project(point)
+        if self.verify and radius <= phase.target:
+            radius = max(radius, phase.certify(point))
+        if not radius <= phase.target:
+            raise CertificateError(
+                f"{where}: the solver certified a radius of {radius:.3g}, above the target "
+                f"{phase.target:.3g}, after {phase.grad_evals} gradient evaluations; nothing was released "
+                "(raise the solver's budget, or the tolerance)"
+            )
+        return point, radius
 
     def _admit(self, name: str, multiplier: float) -> None:
         """Admits a phase's release of ``name``: written into the run's ledger, then charged once per branch
