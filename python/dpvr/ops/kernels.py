@@ -349,49 +349,24 @@ def noisy_update(
     v_desc = [call.vector(a, f"v[{k}]", writable=True) for k, a in enumerate(vs)]
     sizes = [d[1] for d in v_desc]
 
-    def vectors(arrays: Any, name: str, writable: bool) -> list[tuple[int, int]]:
+    def vectors(arrays: Any, name: str, writable: bool = False, wide: bool = False) -> list[tuple[int, int]]:
         if arrays is None:
             return []
         lst = _as_list(arrays, name)
         if len(lst) != len(vs):
             raise ValueError(f"{name}: expected {len(vs)} tensors, got {len(lst)}")
-        return [
-            call.vector(a, f"{name}[{k}]", n, writable=writable) for k, (a, n) in enumerate(zip(lst, sizes))
-        ]
+        return [call.vector(a, f"{name}[{k}]", n, writable=writable, wide=wide)
+                for k, (a, n) in enumerate(zip(lst, sizes))]
 
-    s_desc = []
-    if sum is not None:
-        sums = _as_list(sum, "sum")
-        if len(sums) != len(vs):
-            raise ValueError(f"sum: expected {len(vs)} tensors, got {len(sums)}")
-        s_desc = [call.vector(a, f"sum[{k}]", n, wide=True) for k, (a, n) in enumerate(zip(sums, sizes))]
-    x_desc = vectors(params, "params", True)
-    p_desc = vectors(params_prev, "params_prev", True)
+    s_desc = vectors(sum, "sum", wide=True)
+    x_desc = vectors(params, "params", writable=True)
+    p_desc = vectors(params_prev, "params_prev", writable=True)
     if params_prev is not None and params is None:
         raise ValueError("params_prev: given without params")
-    if not isinstance(generator, NoiseGenerator):
-        raise TypeError(f"generator: expected a NoiseGenerator, got {type(generator).__name__}")
-    for name, value in (("sigma", sigma), ("scale", scale), ("lr", lr)):
-        if not np.isfinite(value):
-            raise ValueError(f"{name}: must be finite, got {value}")
-    if sigma < 0:
-        raise ValueError(f"sigma: must be >= 0, got {sigma}")
+    _check_update(generator, sigma=sigma, scale=scale, lr=lr)
     norm, norm_address = call.scalar_buffer("float64") if params is not None else (None, 0)
-    key = None
-    if sigma > 0:
-        inputs = b""
-        if generator.bound:
-            # The key binds the release (its ledger entry, unique in the run) and, on the host, the signal the
-            # noise hides too: two draws meet only on bit-identical sums, where the releases differ by
-            # (v - v'), a function of earlier releases, and reveal nothing new.
-            if call.device != CPU and not generator.release:
-                raise ValueError(
-                    "generator: a bound generator draws noise for device arrays only inside a named release "
-                    "(NoiseGenerator.for_release): on the device the key is not derived from the signal"
-                )
-            signal = [] if sum is None or call.device != CPU else _as_list(sum, "sum")
-            inputs = _digest(signal, (float(scale), float(sigma), bool(reset)))
-        key = generator.next_key(stream, inputs)
+    scalars = (float(scale), float(sigma), bool(reset))
+    key = _noise_key(generator, stream, call, sum, scalars) if sigma > 0 else None
     _C.noisy_update(
         call.device,
         0 if call.dtype == "float32" else 1,
@@ -414,6 +389,35 @@ def noisy_update(
         return None
     return float(norm[0]) if call.device == CPU else norm
 
+
+def _check_update(generator: NoiseGenerator, **scalars: float) -> None:
+    """Refuses a generator that is not dpvr's and non-finite or negative-noise scalars of a noisy update."""
+    if not isinstance(generator, NoiseGenerator):
+        raise TypeError(f"generator: expected a NoiseGenerator, got {type(generator).__name__}")
+    for name, value in scalars.items():
+        if not np.isfinite(value):
+            raise ValueError(f"{name}: must be finite, got {value}")
+    if scalars["sigma"] < 0:
+        raise ValueError(f"sigma: must be >= 0, got {scalars['sigma']}")
+
+
+def _noise_key(generator: NoiseGenerator, stream: str, call: _Call, sum: Any, scalars: tuple) -> Any:  # noqa: A002
+    """The key of one draw of ``stream``: the stream's next step, and for a bound generator a digest of
+    what the draw perturbs.
+
+    The key binds the release (its ledger entry, unique in the run) and, on the host, the signal the noise
+    hides too: two draws meet only on bit-identical sums, where the releases differ by (v - v'), a function
+    of earlier releases, and reveal nothing new."""
+    inputs = b""
+    if generator.bound:
+        if call.device != CPU and not generator.release:
+            raise ValueError(
+                "generator: a bound generator draws noise for device arrays only inside a named release "
+                "(NoiseGenerator.for_release): on the device the key is not derived from the signal"
+            )
+        signal = [] if sum is None or call.device != CPU else _as_list(sum, "sum")
+        inputs = _digest(signal, scalars)
+    return generator.next_key(stream, inputs)
 
 def _digest(arrays: Sequence[Array], scalars: tuple) -> bytes:
     """A BLAKE3 digest of host ``arrays``' values (already validated by the caller) and ``scalars``:
