@@ -185,11 +185,68 @@ def test_quick_run_writes_tables_exponents_and_crossover(tmp_path, capsys):
     assert len(doc["records"]) == 2 * 2 * 3 * 2 * 3  # methods x protocols x sizes x epsilons x seeds
     summary = doc["config"]["summary"]
     assert {e["method"] for e in summary["exponents"]} == {
-        "PrivateDiff (theorem)", "DP-SGDA (theorem)", "PrivateDiff (tuned)", "DP-SGDA (tuned)"}
-    assert [c["protocol"] for c in summary["crossovers"]] == ["theorem", "tuned"]
+        "PrivateDiff (theorem)", "DP-SGDA (theorem)", "PrivateDiff (fair)", "DP-SGDA (fair)"}
+    assert [c["protocol"] for c in summary["crossovers"]] == ["theorem", "fair"]
     for record in doc["records"]:
         target = record["epsilon"]
         assert target * (1 - 2e-3) <= record["spent_epsilon"] <= target * (1 + 1e-9)
     for name in ("regime-private-diff.json", "regime-private-diff.csv", "regime-private-diff.png"):
         assert os.path.getsize(tmp_path / name) > 0
     assert "crossover" in capsys.readouterr().out
+
+
+def test_the_fair_grid_is_public_and_each_point_is_calibrated_to_the_target():
+    """The fair tuning's candidates at n = 2000, eps = 4: every x-step of LR_GRID with ceil(f R) rounds for f
+    in ROUND_FRACTIONS (R the theorem's), nothing else; each point's noise is dpvr's calibration for its own R
+    (the accountant's epsilon within 0.2% below the target) and grows with R (more rounds: no stream's
+    multiplier lower, one at least 5% higher; a grid that kept one noise for every R would fail this)."""
+    p = MinimaxPlanted.planted([0], 5, 40)
+    gap = float((p.value(np.zeros_like(p.solution)) ** 2 / 2).max())
+    for method in regime_minimax.METHODS:
+        theorem = regime_minimax.schedule(method, 2000, 5, 4.0, gap)
+        grid = regime_minimax.fair_grid(method, 2000, 5, 4.0, gap)
+        assert [(q.lr, q.rounds) for q in grid] == [
+            (lr, max(1, math.ceil(theorem.rounds * f)))
+            for lr in regime_minimax.LR_GRID for f in regime_minimax.ROUND_FRACTIONS]
+        assert regime_minimax.LR_GRID[0] == pytest.approx(1 / (16 * 9 * 2))  # DP-SGDA's theorem step
+        assert regime_minimax.LR_GRID[-1] == pytest.approx(1 / regime_minimax.SMOOTH)
+        multipliers = {}
+        for q in grid[:len(regime_minimax.ROUND_FRACTIONS)]:  # the noise depends on R only
+            result = regime_minimax.evaluate(method, p, 2000, q, 4.0, 0)
+            assert 4.0 * (1 - 2e-3) <= result["spent"] <= 4.0 * (1 + 1e-9)
+            multipliers[q.rounds] = result["noise"]
+        ordered = [multipliers[r] for r in sorted(multipliers)]
+        assert len(ordered) == 3
+        for fewer, more in zip(ordered, ordered[1:]):  # no stream quieter, one louder
+            assert all(more[k] >= fewer[k] * (1 - 1e-9) for k in fewer)
+            assert any(more[k] > fewer[k] * 1.05 for k in fewer)
+
+
+def test_the_fair_choice_reads_only_the_held_out_seeds(tmp_path, monkeypatch):
+    """A tiny run (n = 2000, eps = 4, seeds 0 and 1, tuning seeds 1000 and 1001): every tuning run sees only
+    the held-out instances, the evaluated fair protocol is a grid point, and it is the one with the lowest
+    median on the held-out instances (recomputed here from the recorded tuning runs)."""
+    calls = []
+    original = regime_minimax.evaluate
+
+    def spy(method, problem, n, protocol, epsilon, seed):
+        result = original(method, problem, n, protocol, epsilon, seed)
+        calls.append((method, problem.solution.copy(), protocol, float(np.median(result["norms"]))))
+        return result
+
+    monkeypatch.setattr(regime_minimax, "evaluate", spy)
+    args = argparse.Namespace(quick=True, n=[2000], epsilon=[4.0], seeds=2, grid=None, tuning_seeds=2,
+                              dimension=5, atoms=40, out=str(tmp_path), paper="private-diff")
+    doc = regime_minimax.run(args)
+    held_out = MinimaxPlanted.planted([1000, 1001], 5, 40).solution
+    evaluated = MinimaxPlanted.planted([0, 1], 5, 40).solution
+    assert doc["config"]["tuning_seeds"] == [1000, 1001] and doc["config"]["seeds"] == [0, 1]
+    for method in regime_minimax.METHODS:
+        runs = [c for c in calls if c[0] == method]
+        tuning = [c for c in runs if np.array_equal(c[1], held_out)]
+        final = [c for c in runs if np.array_equal(c[1], evaluated)]
+        assert len(tuning) + len(final) == len(runs) and len(final) == 2  # theorem and fair, nothing else
+        grid = regime_minimax.fair_grid(method, 2000, 5, 4.0, doc["config"]["gap"],
+                                        regime_minimax.QUICK_LR_GRID, (1 / 4, 1.0))
+        assert [c[2] for c in tuning] == grid
+        assert final[1][2] == min(tuning, key=lambda c: c[3])[2]
