@@ -39,70 +39,96 @@ def serve(
     x, y = shard
     if len(x) == 0 or len(x) != len(y):
         raise ValueError(f"client {client}: needs matching, non-empty inputs and targets")
-    # Rounds see the whole shard at x_{r-1} again in the next round: keep that recording (checked before every
-    # reuse), as DIFF2-GD does in-process; local steps draw fresh batches and recompute.
-    rounds = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size, reuse_recording=True)
-    local = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
-    params = [p for _, p in trainable_parameters(model)]
-    flat = [p.detach().view(-1) for p in params]
-    numels = [t.numel() for t in flat]
-    dim, dtype, device = sum(numels), params[0].dtype, group.device
-    anchor = torch.zeros(dim, dtype=dtype, device=device)  # x_{r-1}: the last round's point
-    anchor_prev = torch.zeros_like(anchor)  # x_{r-2}
-    local_prev = torch.zeros_like(anchor)  # x_{k-2,r-1} during local steps
-    shaped = lambda v: [t.view_as(p) for t, p in zip(torch.split(v, numels), params)]  # noqa: E731
-    out = accumulators(flat)  # the clipped mean, sent in float64: rounded only after the noise
+    state = _Client(group, model, loss_fn, grad_mode, chunk_size)
+    device = group.device
     header = torch.zeros(HEADER, dtype=torch.float64, device=device)
     status = torch.zeros(2, dtype=torch.float64, device=device)
-    where = "before the first round"
-
-    def receive(t: torch.Tensor) -> None:
-        _listen(group, t, where)
-
-    def load(point: torch.Tensor) -> None:
-        with torch.no_grad():
-            for f, v in zip(flat, torch.split(point, numels)):
-                f.copy_(v)
-
-    dist.send(torch.tensor([len(x), dim], dtype=torch.float64, device=device), dst=AGGREGATOR)
+    dist.send(torch.tensor([len(x), state.dim], dtype=torch.float64, device=device), dst=AGGREGATOR)
     while True:
-        receive(header)
+        _listen(group, header, state.where)
         op, r, restart, radius, _, resend, batch = header.tolist()
         if op == ABORT:
-            _stop(group, f"the aggregator ended the run ({where})")
+            _stop(group, f"the aggregator ended the run ({state.where})")
         if op == STOP:
-            receive(anchor)
-            load(anchor)
-            return anchor
-        where = f"in round {int(r)}"
+            return state.stop()
+        state.where = f"in round {int(r)}"
         try:
             if op == ROUND:
-                payload = torch.empty(2 * dim if resend else dim, dtype=dtype, device=device)
-                receive(payload)
-                anchor_prev.copy_(payload[dim:] if resend else anchor)
-                anchor.copy_(payload[:dim])
-                local_prev.copy_(anchor)
-                load(anchor)
-                dropped = clipped_mean(rounds, x, y, radius, out, None if restart else shaped(anchor_prev))
+                dropped = state.round(x, y, radius, restart=bool(restart), resend=bool(resend))
             else:
-                index = torch.empty(int(batch), dtype=torch.int64, device=device)
-                if batch:
-                    receive(index)
-                point = torch.empty(dim, dtype=dtype, device=device)
-                receive(point)
-                load(point)
-                index = index.cpu()
-                dropped = clipped_mean(local, x[index], y[index], radius, out, shaped(local_prev))
-                local_prev.copy_(point)
+                dropped = state.local_step(x, y, radius, int(batch))
             status[:] = torch.tensor([OK, dropped], dtype=torch.float64)
-            reply = torch.cat(out)
+            reply = torch.cat(state.out)
         except DistributedError:
             raise
         except Exception as err:
-            group.fail(f"client {client} (rank {group.rank}) failed {where}: {type(err).__name__}: {err}")
-            status[0], reply = FAILED, torch.zeros(dim, dtype=torch.float64, device=device)
+            failed = f"client {client} (rank {group.rank}) failed {state.where}"
+            group.fail(f"{failed}: {type(err).__name__}: {err}")
+            status[0], reply = FAILED, torch.zeros(state.dim, dtype=torch.float64, device=device)
         dist.send(status, dst=AGGREGATOR)
         dist.send(reply, dst=AGGREGATOR)
+
+
+class _Client:
+    """What a client keeps between requests: its gradient engines, the points the next request refers to
+    and the buffer of its answer."""
+
+    def __init__(self, group: Group, model: nn.Module, loss_fn: LossFn, grad_mode: str,
+                 chunk_size: int | None) -> None:
+        self.group, self.where = group, "before the first round"
+        # Rounds see the whole shard at x_{r-1} again in the next round: keep that recording (checked before
+        # every reuse), as DIFF2-GD does in-process; local steps draw fresh batches and recompute.
+        self.rounds = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size,
+                                       reuse_recording=True)
+        self.local = ClippedGradients(model, loss_fn, mode=grad_mode, chunk_size=chunk_size)
+        self.params = [p for _, p in trainable_parameters(model)]
+        self.flat = [p.detach().view(-1) for p in self.params]
+        self.numels = [t.numel() for t in self.flat]
+        self.dim, self.dtype = sum(self.numels), self.params[0].dtype
+        self.anchor = torch.zeros(self.dim, dtype=self.dtype, device=group.device)  # x_{r-1}: last round's
+        self.anchor_prev = torch.zeros_like(self.anchor)  # x_{r-2}
+        self.local_prev = torch.zeros_like(self.anchor)  # x_{k-2,r-1} during local steps
+        self.out = accumulators(self.flat)  # the clipped mean, sent in float64: rounded only after the noise
+
+    def _receive(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(size, dtype=dtype, device=self.group.device)
+        _listen(self.group, t, self.where)
+        return t
+
+    def _shaped(self, v: torch.Tensor) -> list[torch.Tensor]:
+        return [t.view_as(p) for t, p in zip(torch.split(v, self.numels), self.params)]
+
+    def _load(self, point: torch.Tensor) -> None:
+        with torch.no_grad():
+            for f, v in zip(self.flat, torch.split(point, self.numels)):
+                f.copy_(v)
+
+    def round(self, x: torch.Tensor, y: torch.Tensor, radius: float, *, restart: bool, resend: bool) -> int:
+        """A round's clipped mean on the whole shard: at the new anchor, or its difference from the last."""
+        payload = self._receive(2 * self.dim if resend else self.dim, self.dtype)
+        self.anchor_prev.copy_(payload[self.dim:] if resend else self.anchor)
+        self.anchor.copy_(payload[: self.dim])
+        self.local_prev.copy_(self.anchor)
+        self._load(self.anchor)
+        previous = None if restart else self._shaped(self.anchor_prev)
+        return clipped_mean(self.rounds, x, y, radius, self.out, previous)
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, radius: float, batch: int) -> int:
+        """A BVR-L-SGD local step's clipped difference on the drawn batch."""
+        index = self._receive(batch, torch.int64) if batch else torch.empty(0, dtype=torch.int64)
+        point = self._receive(self.dim, self.dtype)
+        self._load(point)
+        index = index.cpu()
+        previous = self._shaped(self.local_prev)
+        dropped = clipped_mean(self.local, x[index], y[index], radius, self.out, previous)
+        self.local_prev.copy_(point)
+        return dropped
+
+    def stop(self) -> torch.Tensor:
+        """The released final iterate, loaded into the model."""
+        _listen(self.group, self.anchor, self.where)
+        self._load(self.anchor)
+        return self.anchor
 
 
 def serve_runs(group: Group, key: bytes) -> int:
