@@ -304,21 +304,7 @@ def make_private_trainer(
     criterion = default_criterion(model) if criterion is None else criterion
     physical = args.per_device_train_batch_size
     logical = physical * args.gradient_accumulation_steps
-    dataset = trainer.train_dataset
-    try:  # a datasets.Dataset: the Trainer's own column pruning (the model's forward arguments and labels)
-        import datasets  # optional: a datasets.Dataset exists only where it is installed
-
-        if isinstance(dataset, datasets.Dataset) and args.remove_unused_columns:
-            dataset = trainer._remove_unused_columns(dataset, description="training")
-    except ImportError:
-        pass
-    collate = trainer.data_collator
-    if collate is transformers.default_data_collator or isinstance(collate, transformers.DefaultDataCollator):
-        # It stacks each field of each record (renaming label to labels): record-wise, and checked so on the
-        # first records by make_private. Any other collator is the user's to declare (dpvr.recordwise).
-        collate = recordwise(collate)
-    loader = DataLoader(dataset, batch_size=logical, collate_fn=collate,
-                        num_workers=args.dataloader_num_workers)
+    loader = _training_loader(trainer, logical)
     runtime = runtime or RuntimeConfig()
     if runtime.chunk_size is None:
         runtime = dataclasses.replace(runtime, chunk_size=physical)
@@ -331,15 +317,44 @@ def make_private_trainer(
                                public_dataset_size=public_dataset_size, **length, **settings)
     trainer.create_scheduler(num_training_steps=private.total_steps, optimizer=optimizer)
     if args.max_grad_norm and args.max_grad_norm > 0:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-
-        def clip_released(*_: Any) -> None:  # the Trainer's norm clip, on the released (noisy) gradient
-            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-
-        if not getattr(optimizer, "_dpvr_max_grad_norm", False):  # once, if the Trainer is made private again
-            optimizer.register_step_pre_hook(clip_released)
-            optimizer._dpvr_max_grad_norm = True
+        _clip_released_gradient(optimizer, args.max_grad_norm)
     return PrivateHFTrainer(trainer, private, log_diagnostics=log_diagnostics)
+
+
+def _training_loader(trainer: Any, batch_size: int) -> DataLoader:
+    """The ``Trainer``'s training data as a ``DataLoader`` of ``batch_size`` records (whose sampler dpvr
+    replaces), with the ``Trainer``'s column pruning and a record-wise default collator."""
+    import transformers  # optional, as everywhere in this module
+
+    args, dataset = trainer.args, trainer.train_dataset
+    try:  # a datasets.Dataset: the Trainer's own column pruning (the model's forward arguments and labels)
+        import datasets  # optional: a datasets.Dataset exists only where it is installed
+
+        if isinstance(dataset, datasets.Dataset) and args.remove_unused_columns:
+            dataset = trainer._remove_unused_columns(dataset, description="training")
+    except ImportError:
+        pass
+    collate = trainer.data_collator
+    if collate is transformers.default_data_collator or isinstance(collate, transformers.DefaultDataCollator):
+        # It stacks each field of each record (renaming label to labels): record-wise, and checked so on the
+        # first records by make_private. Any other collator is the user's to declare (dpvr.recordwise).
+        collate = recordwise(collate)
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate,
+                      num_workers=args.dataloader_num_workers)
+
+
+def _clip_released_gradient(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """The ``Trainer``'s ``max_grad_norm`` clip, on the released (noisy) gradient before each step:
+    post-processing. Registered once, should the ``Trainer`` be made private again."""
+    if getattr(optimizer, "_dpvr_max_grad_norm", False):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def clip_released(*_: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    optimizer.register_step_pre_hook(clip_released)
+    optimizer._dpvr_max_grad_norm = True
 
 
 __all__ = ["PrivateHFTrainer", "default_criterion", "make_private_trainer"]
