@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpvr.grads import GhostClipper
-from dpvr.grads.ghost import Dense, Outer, Rows, Tied, clipper
+from dpvr.grads.ghost import Dense, Outer, Rows, Tied, clipper, cost
 from dpvr.grads.ghost.norms import _cross, write_error
 from test_ghost_rounding import clipped_ratio_sq
 
@@ -124,6 +124,9 @@ def prompt_ignored(vocab: int, length: int) -> Tensor:
     return t
 
 
+# Rates under which the host's cost model materialises every Outer part with steps.
+MATERIALISE = cost.Rates(matmul32=1e20, matmul64=1e10, gram=1e3, direct=1e3, bandwidth=1e20)
+
 # name: (model, inputs, targets, the shared parameter's part for norm_form="auto")
 CASES = {
     "embedding-head": (TiedLanguageModel, lambda: tokens(40), lambda: tokens(40), Tied),
@@ -205,7 +208,10 @@ def shared_kinds(monkeypatch) -> list[type]:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_norms_sums_and_differences_match_float64_autograd(name, backend, dtype, shared_kinds) -> None:
+def test_norms_sums_and_differences_match_float64_autograd(name, backend, dtype, shared_kinds,
+                                                          monkeypatch) -> None:
+    if name == "materialised-head":  # rates under which the host materialises the head (the torch path's
+        monkeypatch.setattr(cost, "_pinned", [MATERIALISE])  # memory rule does so already)
     model, x, y, kind = build(name, dtype)
     point, point_b = trainable(model), moved(trainable(model))
     truth, truth_b = one_at_a_time(model, x, y, point), one_at_a_time(model, x, y, point_b)
@@ -393,6 +399,7 @@ def test_choices_from_the_sizes_ignore_the_steps_left_out() -> None:
     sparse, dense = rule.weight([([x], [reads_last])]), rule.weight([([x], [torch.randn(3, 8, 4)])])
     assert sparse.pieces[0][0].shape[1] == 1 and sparse.sizes() == dense.sizes() == (8, 4, 4)
     assert sparse.worth_materialising() == dense.worth_materialising()
+    assert sparse.choice() == dense.choice()
 
 
 def test_repeated_difference_rounds_on_a_classifier_from_the_last_position() -> None:

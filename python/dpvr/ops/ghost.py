@@ -75,7 +75,7 @@ def ghost_norms(
     outer: Sequence[Sequence[tuple[Array, Array]]] = (),
     index: Sequence[IndexTerm] = (),
     dense: Sequence[Array] = (),
-    form: str = "auto",
+    form: str | Sequence[str] = "auto",
     outer_bounds: Array | None = None,
 ) -> None:
     """Writes into ``norms_sq`` (float64, ``(B,)``) an upper bound on ``||u_i||^2``, where sample i's vector
@@ -90,7 +90,9 @@ def ghost_norms(
     - ``dense``: ``(B, ...)`` arrays, one materialised vector per sample (biases, normalisation layers).
 
     ``form`` picks how outer terms are computed: ``"gram"`` (pairs of steps, cost ~T^2 (p + q)),
-    ``"direct"`` (the q x p matrix per sample, cost ~T p q) or ``"auto"``, the cheaper one per term.
+    ``"direct"`` (the q x p matrix per sample, cost ~T p q) or ``"auto"``, the cheaper one per term; or a
+    sequence of these, one per outer term. Every form returns the bound below, so the choice changes the
+    time only, never the guarantee.
 
     The value is the squared norm computed in double plus an explicit bound on its rounding error, so it is
     never below the exact squared norm of the given data: clipping with it bounds every sample's exact
@@ -101,8 +103,12 @@ def ghost_norms(
     the magnitude that bounds the rounding of the term's clipped-sum matmul, which the caller bounds), read
     off the same pass.
     """
-    if form not in NORM_FORMS:
-        raise ValueError(f"form: must be one of {sorted(NORM_FORMS)}, got {form!r}")
+    forms = [form] * len(outer) if isinstance(form, str) else list(form)
+    if len(forms) != len(outer):
+        raise ValueError(f"form: {len(forms)} forms given for {len(outer)} outer terms")
+    for f in forms:
+        if f not in NORM_FORMS:
+            raise ValueError(f"form: must be one of {sorted(NORM_FORMS)}, got {f!r}")
     out = _host_buffer(norms_sq, "norms_sq", None, "float64", writable=True)
     batch = out.shape[0]
     call = _Call()
@@ -117,7 +123,7 @@ def ghost_norms(
         ps = pieces(t, f"outer[{k}]")
         acts = [_sequence(call, m, f"outer[{k}][{j}].activations") for j, (m, _) in enumerate(ps)]
         grads = [_sequence(call, n, f"outer[{k}][{j}].grads") for j, (_, n) in enumerate(ps)]
-        outer_desc.append((acts, grads, NORM_FORMS[form]))
+        outer_desc.append((acts, grads, NORM_FORMS[forms[k]]))
     index_desc = []
     for k, t in enumerate(index):
         if not isinstance(t, IndexTerm):

@@ -21,6 +21,7 @@ from ..fields import Fields, as_inputs, cat, model_args
 from ..fields import leaves as data_leaves
 from ..layer_clip import LayerRadii
 from ..materialized import Grads, LossFn, _check_point, clip_dtype, trainable_parameters
+from . import cost
 from . import norms as torch_norms
 from .fallback import VjpRule
 from .rules import Dense, GhostRule, LayerCall, Outer, Part, Rows, Tied, rule_for, shared
@@ -149,10 +150,14 @@ class GhostClipper:
             the trainable parameters must be float32 or float64 (one dtype).
         loss_fn: per-sample loss ``loss_fn(output, target) -> scalar``, as for ``per_sample_grads``.
         norm_form: how the norms of linear maps' weights are computed: ``"gram"`` or ``"direct"`` (see
-            :func:`dpvr.ops.ghost_norms`), or ``"auto"``: a layer applied at several steps (a convolution, a
-            Linear on sequences) whose per-sample matrix is no larger than its recorded inputs and output
-            gradients has it materialised in one batched product (:meth:`Outer.worth_materialising`),
-            every other layer takes the cheaper of the two forms.
+            :func:`dpvr.ops.ghost_norms`), or ``"auto"``: on the host, each such part takes the form
+            predicted fastest on this machine from its shapes, under a memory budget
+            (:mod:`~dpvr.grads.ghost.cost`: the per-sample matrices materialised in one batched product,
+            or the native Gram or direct form; the choices are in :attr:`choices`); off the host, a layer
+            applied at several steps whose per-sample matrix is no larger than its recorded inputs and
+            output gradients has it materialised (:meth:`Outer.worth_materialising`), every other layer
+            takes the cheaper of the two forms by operation count. The choice depends on shapes and the
+            machine only, and every form bounds what it writes: it never changes the guarantee below.
         nonfinite: ``"zero"`` (default): a sample whose gradient, weight or scalar is not finite contributes
             nothing and its norm is NaN; ``"raise"``: ``FloatingPointError`` — the kernels' policies.
         backend: where norms and clip factors are computed: ``"native"`` (the host kernels; parameters on
@@ -174,6 +179,8 @@ class GhostClipper:
         fallback_layers: names of the modules whose own parameters' per-sample gradients are materialised.
         mode: ``"ghost"`` (no fallback layer), ``"mixed"`` or ``"materialised"`` (no ghost layer).
         backend: ``"native"`` or ``"torch"``.
+        choices: ``"layer.parameter"`` -> :class:`~dpvr.grads.ghost.cost.Choice`, the form last chosen for
+            each linear map's weight under ``norm_form="auto"`` on the host, with the predicted times.
 
     Privacy-relevant guarantee: each sample's contribution to a returned sum, as written in the parameters'
     dtype (the sum of a batch of that sample alone), has norm at most ``clip`` — as the fused kernels'
@@ -227,6 +234,8 @@ class GhostClipper:
         self.reuse_recording = bool(reuse_recording)
         self._kept: _Kept | None = None
         self._batch_dims: dict[_Layer, int] | None = None  # learned at the first recording
+        # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
+        self.choices: dict[str, cost.Choice] = {}
 
     def _track(self, model: nn.Module) -> list[_Layer]:
         """The modules that own trainable parameters, each with its rule (the fallback when none applies)."""
@@ -615,8 +624,18 @@ class GhostClipper:
             materialised = False
             for attr, _ in layer.params:
                 part = got[attr]
-                if self.norm_form == "auto" and isinstance(part, Outer) and part.worth_materialising():
-                    got[attr], materialised = Dense(part.per_sample()), True
+                if self.norm_form != "auto" or not isinstance(part, Outer):
+                    continue
+                if self.backend == "native":
+                    # By predicted time on this machine under the memory budget, from the shapes only.
+                    choice = part.choice()
+                    self.choices[f"{layer.name}.{attr}"] = choice
+                    if choice.form != "materialise":
+                        part.norm_form = choice.form
+                        continue
+                elif not part.worth_materialising():  # off the host: the memory rule
+                    continue
+                got[attr], materialised = Dense(part.per_sample()), True
             rec.parts[layer] = got, materialised
             if self._parts_only(layer, materialised):
                 rec.calls[layer] = []  # whatever follows reads the parts: the recorded tensors are let go
@@ -687,7 +706,8 @@ class GhostClipper:
             bounds = torch.empty(len(outers), batch, dtype=torch.float64)
             ops.ghost_norms(norms_sq, outer=[p.pieces for p in outers], index=[],
                             dense=[p.u if isinstance(p, Dense) else p.flat() for p in apart
-                                   if isinstance(p, (Dense, Rows))], form=self.norm_form,
+                                   if isinstance(p, (Dense, Rows))],
+                            form=[p.norm_form or self.norm_form for p in outers],
                             outer_bounds=bounds if outers else None)
             error = torch_norms.write_error(parts, batch, dtype, self._device,
                                             known={id(p): bounds[j] for j, p in enumerate(outers)},

@@ -29,6 +29,8 @@ from typing import Any, ClassVar, TypeVar, Union
 import torch
 from torch import Tensor, nn
 
+from . import cost
+
 
 def scale_rows(t: Tensor, s: Tensor | None) -> Tensor:
     """``t`` with row (sample) i scaled by ``s[i]``; ``t`` itself when ``s`` is None."""
@@ -113,6 +115,7 @@ class Outer:
 
     pieces: list[tuple[Tensor, Tensor]]
     recorded_steps: int | None = None
+    norm_form: str | None = None  # the native kernel's form chosen for it (cost.choose); None: the caller's
     by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
@@ -144,6 +147,14 @@ class Outer:
         steps, p, q = self.sizes()
         return steps > 1 and p * q <= steps * (p + q)
 
+    def choice(self) -> cost.Choice:
+        """The form of this part's norms predicted fastest on this machine (:func:`cost.choose`), from its
+        shapes alone: the batch, the steps of all its pieces (as recorded), its widths and its dtype."""
+        steps, p, q = self.sizes()
+        m = self.pieces[0][0]
+        total = steps + sum(mj.shape[1] if mj.dim() == 3 else 1 for mj, _ in self.pieces[1:])
+        return cost.choose(m.shape[0], total, p, q, m.element_size())
+
     def per_sample(self) -> Tensor:
         """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``."""
         out = None
@@ -156,7 +167,7 @@ class Outer:
     def combine(self, other: Outer, a: Tensor | None, b: Tensor | None) -> Outer:
         """``a_i u_i - b_i u'_i`` as pieces of both (exact; its norm bound is relative to the two terms)."""
         return Outer([(m, scale_rows(n, a)) for m, n in self.pieces]
-                     + [(m, -scale_rows(n, b)) for m, n in other.pieces])
+                     + [(m, -scale_rows(n, b)) for m, n in other.pieces], norm_form=self.norm_form)
 
 
 @dataclass

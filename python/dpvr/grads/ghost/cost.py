@@ -1,0 +1,215 @@
+"""The per-layer choice of how an :class:`~dpvr.grads.ghost.rules.Outer` part's norms are computed, by
+predicted time under a memory budget, from the part's shapes and this machine's rates.
+
+An Outer part (a linear map's weight applied at ``T`` steps, a convolution's after unfolding; ``B``
+samples, widths ``p`` and ``q``) has three forms:
+
+- ``"materialise"``: the ``(B, q, p)`` per-sample matrices in one batched matmul in the parameters' dtype
+  (``2 B T p q`` flops at the batched float32 matmul rate); the norms and the clipped sum then read those
+  matrices (memory-bound passes). It holds ``B p q`` entries, plus their float64 copy while the sum is
+  formed, so it is refused when that exceeds the memory budget (:func:`direct_budget_bytes`).
+- ``"gram"``: the native float64 Gram form over pairs of steps (``B T (T + 1) / 2 (p + q)`` multiply-adds at
+  the native kernel's rate), then the clipped sum as one float64 matmul over samples and steps
+  (``2 B T p q`` flops at the float64 matmul rate). Memory: the recording only.
+- ``"direct"``: the native float64 direct form, which forms one sample's ``(q, p)`` matrix at a time (the
+  direct form streamed sample by sample: its memory is one matrix per thread, whatever ``B``), then the same
+  float64 sum as the Gram form.
+
+The rates come from a short micro-benchmark (:func:`calibrate`, well under a second) run once per machine
+and cached as JSON under the user's cache directory (``$XDG_CACHE_HOME/dpvr`` or ``~/.cache/dpvr``), keyed
+by the CPU model, torch's thread count, the torch version and the dpvr version. ``DPVR_GHOST_CALIBRATE=0``
+turns calibration off: the fixed :data:`DEFAULT_RATES` are used. ``DPVR_GHOST_DIRECT_MIB`` sets the memory
+budget of the materialised form (default :data:`DEFAULT_DIRECT_MIB`). Tests pin the rates
+(:func:`pinned_rates`), so their choices are deterministic.
+
+Privacy: the choice depends on the shapes ``(B, T, p, q)``, the dtype and the machine only, never on the
+values of the recorded tensors. It changes the time, not the guarantee: the native forms return upper bounds
+on the exact per-sample norms that include their float64 rounding (:func:`dpvr.ops.ghost_norms`) and the
+clipped sum's rounding is bounded separately (:func:`~dpvr.grads.ghost.norms.write_error`); a materialised
+part's norms are upper bounds on the norms of the very matrices that its clipped sum writes (one rounding
+per entry, priced by the clip margin). So each record's written contribution has norm at most the clip
+radius, and the release's sensitivity bound holds, whichever form is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from ... import ops
+
+FORMS = ("materialise", "gram", "direct")
+DEFAULT_DIRECT_MIB = 256.0
+CALIBRATE_ENV = "DPVR_GHOST_CALIBRATE"
+BUDGET_ENV = "DPVR_GHOST_DIRECT_MIB"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A machine's rates: ``matmul32`` and ``matmul64`` flop/s of a batched float32 matmul and of a float64
+    matmul; ``gram`` and ``direct`` multiply-adds per second of the native Gram and direct norm kernels (per
+    pair of steps and width entry; per step and matrix entry); ``bandwidth`` bytes per second of a copy."""
+
+    matmul32: float
+    matmul64: float
+    gram: float
+    direct: float
+    bandwidth: float
+
+
+# Measured on an idle 2-core AVX-512 host (two threads); used when calibration is off.
+DEFAULT_RATES = Rates(matmul32=1.0e11, matmul64=5.0e10, gram=8.0e9, direct=1.2e10, bandwidth=1.0e10)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The form chosen for one Outer part and the predicted seconds of each form (``inf``: refused by the
+    memory budget, or not applicable: the materialised form needs several steps)."""
+
+    form: str
+    seconds: dict[str, float]
+    shapes: tuple[int, int, int, int]  # (B, T, p, q)
+
+
+def direct_budget_bytes() -> float:
+    """The memory the materialised form may take (``DPVR_GHOST_DIRECT_MIB``, default 256 MiB)."""
+    raw = os.environ.get(BUDGET_ENV)
+    if raw is None:
+        return DEFAULT_DIRECT_MIB * 2**20
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"{BUDGET_ENV}: expected a number of MiB, got {raw!r}") from None
+    if not mib >= 0:
+        raise ValueError(f"{BUDGET_ENV}: must be >= 0 MiB, got {raw!r}")
+    return mib * 2**20
+
+
+def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
+            budget: float) -> dict[str, float]:
+    """Predicted seconds of each form for an Outer part of these shapes (see the module docstring)."""
+    b, t = float(batch), float(steps)
+    entries = b * p * q
+    float64_sum = 2.0 * b * t * p * q / rates.matmul64
+    materialise = float("inf")
+    if steps > 1 and entries * (itemsize + 8) <= budget:
+        # the batched matmul; then write the matrices, read them for the norms, widen them for the sum
+        materialise = (2.0 * b * t * p * q / rates.matmul32
+                       + entries * (3 * itemsize + 8) / rates.bandwidth)
+    gram = b * t * (t + 1) / 2.0 * (p + q) / rates.gram + float64_sum
+    direct = b * t * p * q / rates.direct + float64_sum
+    return {"materialise": materialise, "gram": gram, "direct": direct}
+
+
+def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates | None = None,
+           budget: float | None = None) -> Choice:
+    """The fastest form of an Outer part with these shapes (ties: the first of :data:`FORMS`)."""
+    rates = machine_rates() if rates is None else rates
+    budget = direct_budget_bytes() if budget is None else budget
+    seconds = predict(batch, steps, p, q, itemsize, rates, budget)
+    form = min(FORMS, key=lambda f: seconds[f])
+    return Choice(form, seconds, (batch, steps, p, q))
+
+
+# ---- calibration ----
+
+def machine_key() -> str:
+    """What the rates depend on: the CPU model, torch's thread count, the torch and dpvr versions."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return (f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|dpvr={metadata.version('dpvr')}")
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dpvr" / "ghost_rates.json"
+
+
+def _best(fn, rounds: int = 7) -> float:
+    fn()  # warm-up: allocations, the thread pool's start, the kernels' first dispatch
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def calibrate() -> Rates:
+    """Measures this machine's rates on small shapes of the kinds the forms run (about half a second)."""
+    g = torch.Generator().manual_seed(0)
+    b, t, p, q = 16, 64, 96, 96
+    m = torch.randn(b, t, p, generator=g)
+    n = torch.randn(b, t, q, generator=g)
+    matmul32 = 2.0 * b * t * p * q / _best(lambda: torch.bmm(n.transpose(1, 2), m))
+    m64, n64 = m.reshape(-1, p).double(), n.reshape(-1, q).double()
+    matmul64 = 2.0 * b * t * p * q / _best(lambda: n64.t() @ m64)
+    out = torch.empty(b, dtype=torch.float64)
+    pairs = b * t * (t + 1) / 2.0 * (p + q)
+    gram = pairs / _best(lambda: ops.ghost_norms(out, outer=[[(m, n)]], form="gram"))
+    direct = b * t * p * q / _best(lambda: ops.ghost_norms(out, outer=[[(m, n)]], form="direct"))
+    big = torch.empty(1 << 23)  # 32 MiB: beyond the caches of most hosts
+    dst = torch.empty_like(big)
+    bandwidth = 2.0 * big.numel() * big.element_size() / _best(lambda: dst.copy_(big))
+    return Rates(matmul32, matmul64, gram, direct, bandwidth)
+
+
+_pinned: list[Rates] = []
+_measured: dict[str, Rates] = {}
+
+
+@contextlib.contextmanager
+def pinned_rates(rates: Rates) -> Iterator[None]:
+    """Within the block, every choice uses ``rates`` (tests: deterministic choices)."""
+    _pinned.append(rates)
+    try:
+        yield
+    finally:
+        _pinned.pop()
+
+
+def machine_rates() -> Rates:
+    """The rates choices use: pinned ones, else :data:`DEFAULT_RATES` when ``DPVR_GHOST_CALIBRATE=0``, else
+    this machine's, from the cache file or measured once and written there (a cache that cannot be read or
+    written is measured again, never an error)."""
+    if _pinned:
+        return _pinned[-1]
+    if os.environ.get(CALIBRATE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return DEFAULT_RATES
+    key = machine_key()
+    if key in _measured:
+        return _measured[key]
+    path = cache_path()
+    stored: dict = {}
+    with contextlib.suppress(OSError, ValueError):
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        rates = Rates(**{f: float(stored[key][f]) for f in Rates.__dataclass_fields__})
+        if not all(v > 0 and v != float("inf") for v in asdict(rates).values()):
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        rates = calibrate()
+        stored = stored if isinstance(stored, dict) else {}
+        stored[key] = asdict(rates)
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    _measured[key] = rates
+    return rates

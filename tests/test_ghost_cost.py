@@ -1,0 +1,183 @@
+"""The per-layer choice of norm form by predicted time (dpvr.grads.ghost.cost): choices from shapes and
+rates only, the memory budget, the per-machine cache, and every form's clipped sums against float64
+per-record autograd."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dpvr.grads import GhostClipper, per_sample_grads
+from dpvr.grads.ghost import cost
+from dpvr.grads.ghost.rules import Outer
+
+RATES = cost.Rates(matmul32=1e11, matmul64=5e10, gram=8e9, direct=1.2e10, bandwidth=1e10)
+MIB = 2.0**20
+
+
+def test_predictions_follow_the_formulas() -> None:
+    b, t, p, q = 8, 16, 32, 24
+    got = cost.predict(b, t, p, q, 4, RATES, budget=1e9)
+    total64 = 2 * b * t * p * q / RATES.matmul64
+    assert got["gram"] == pytest.approx(b * t * (t + 1) / 2 * (p + q) / RATES.gram + total64, rel=1e-12)
+    assert got["direct"] == pytest.approx(b * t * p * q / RATES.direct + total64, rel=1e-12)
+    assert got["materialise"] == pytest.approx(
+        2 * b * t * p * q / RATES.matmul32 + b * p * q * (3 * 4 + 8) / RATES.bandwidth, rel=1e-12)
+
+
+def test_the_choice_is_by_time_from_shapes() -> None:
+    # a feed-forward layer on 64 steps: the batched float32 matmul beats both float64 native forms
+    assert cost.choose(64, 64, 64, 128, 4, RATES, 256 * MIB).form == "materialise"
+    # one step (an MLP's layer): nothing to materialise; the Gram form is O(p + q) per sample
+    assert cost.choose(512, 1, 784, 256, 4, RATES, 256 * MIB).form == "gram"
+    # many steps of narrow widths (a first convolution) and no memory budget: the native direct form,
+    # whose memory is one matrix per thread, beats the Gram form's T^2
+    assert cost.choose(256, 784, 9, 16, 4, RATES, 0.0).form == "direct"
+    # ... and the Gram form wins at few steps and wide maps, whatever the budget
+    assert cost.choose(4, 3, 512, 512, 4, RATES, 1e12).form == "gram"
+    # slower float32 matmuls move the same layer to the native form: the rates decide, not a fixed rule
+    slow = cost.Rates(matmul32=1e8, matmul64=5e10, gram=8e9, direct=1.2e10, bandwidth=1e10)
+    assert cost.choose(64, 64, 64, 128, 4, slow, 256 * MIB).form != "materialise"
+
+
+def test_the_budget_refuses_the_materialised_form() -> None:
+    b, t, p, q = 64, 64, 64, 128
+    need = b * p * q * (4 + 8)  # the matrices and their float64 copy in the sum
+    assert cost.choose(b, t, p, q, 4, RATES, need).form == "materialise"
+    refused = cost.choose(b, t, p, q, 4, RATES, need - 1)
+    assert refused.form != "materialise" and math.isinf(refused.seconds["materialise"])
+
+
+def test_the_budget_setting(monkeypatch) -> None:
+    monkeypatch.delenv(cost.BUDGET_ENV, raising=False)
+    assert cost.direct_budget_bytes() == cost.DEFAULT_DIRECT_MIB * MIB
+    monkeypatch.setenv(cost.BUDGET_ENV, "3")
+    assert cost.direct_budget_bytes() == 3 * MIB
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv(cost.BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=cost.BUDGET_ENV):
+            cost.direct_budget_bytes()
+
+
+def test_rates_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(cost.CALIBRATE_ENV, "1")
+    monkeypatch.setattr(cost, "_measured", {})
+    calls = []
+    monkeypatch.setattr(cost, "calibrate", lambda: calls.append(1) or RATES)
+    assert cost.machine_rates() == RATES and cost.machine_rates() == RATES
+    assert len(calls) == 1  # memoised in the process
+    stored = json.loads((tmp_path / "dpvr" / "ghost_rates.json").read_text())
+    assert stored == {cost.machine_key(): {k: getattr(RATES, k) for k in cost.Rates.__dataclass_fields__}}
+    monkeypatch.setattr(cost, "_measured", {})
+    assert cost.machine_rates() == RATES and len(calls) == 1  # a new process reads the file
+    # a corrupt file is measured again, never an error
+    (tmp_path / "dpvr" / "ghost_rates.json").write_text("{not json")
+    monkeypatch.setattr(cost, "_measured", {})
+    assert cost.machine_rates() == RATES and len(calls) == 2
+    # calibration off: the fixed rates; pinned rates win over everything
+    monkeypatch.setenv(cost.CALIBRATE_ENV, "0")
+    assert cost.machine_rates() == cost.DEFAULT_RATES
+    with cost.pinned_rates(RATES):
+        assert cost.machine_rates() == RATES
+
+
+def test_calibration_measures_positive_finite_rates() -> None:
+    rates = cost.calibrate()
+    assert all(0 < v < math.inf for v in vars(rates).values())
+
+
+# Rates under which one form is predicted fastest for every layer with steps.
+FORCING = {
+    "materialise": cost.Rates(matmul32=1e20, matmul64=1e10, gram=1e3, direct=1e3, bandwidth=1e20),
+    "gram": cost.Rates(matmul32=1e3, matmul64=1e10, gram=1e20, direct=1e3, bandwidth=1e3),
+    "direct": cost.Rates(matmul32=1e3, matmul64=1e10, gram=1e3, direct=1e20, bandwidth=1e3),
+}
+
+
+class SeqNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 5, 3)
+        self.lin = nn.Linear(5, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)).transpose(1, 2)  # (B, T, 5)
+        return self.head(torch.tanh(self.lin(h))).mean(dim=(1, 2))
+
+
+def _reference(model, loss_fn, x, y, clip, params=None, other=None):
+    """Float64 per-record autograd: the norms and the clipped sums."""
+    grads = per_sample_grads(model, loss_fn, x, y, params=params)
+    if other is not None:
+        grads = [g - h for g, h in zip(grads, per_sample_grads(model, loss_fn, x, y, params=other))]
+    flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1)
+    norms = flat.norm(dim=1)
+    f = torch.clamp(clip / norms, max=1.0)
+    return norms, [torch.einsum("i,i...->...", f, g) for g in grads]
+
+
+@pytest.mark.parametrize("form", sorted(FORCING))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_form_bounds_the_float64_norms_and_clips_as_autograd(form, dtype) -> None:
+    torch.manual_seed(3)
+    model = SeqNet().to(dtype)
+    x, y = torch.randn(6, 3, 9, dtype=dtype), torch.randn(6, dtype=dtype)
+    loss_fn = nn.functional.mse_loss
+    clip = 0.05  # below every record's norm: every record is clipped
+    with cost.pinned_rates(FORCING[form]):
+        ghost = GhostClipper(model, loss_fn)
+        got = ghost.clipped_sum(x, y, clip)
+    chosen = {c.form for c in ghost.choices.values() if c.shapes[1] > 1}
+    assert chosen == {form}
+    model64 = SeqNet().double()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    norms, sums = _reference(model64, loss_fn, x.double(), y.double(), clip)
+    assert (norms > clip).all()
+    # upper bounds on the float64 norms (the exact ones up to 2^-53), tight to the dtype's precision
+    tol = 1e-4 if dtype == torch.float32 else 1e-12
+    assert (got.norms.double() >= norms * (1 - 1e-12) - (tol if dtype == torch.float32 else 0)).all()
+    torch.testing.assert_close(got.norms.double(), norms, rtol=tol, atol=0)
+    for s, r in zip(got.sums, sums):
+        torch.testing.assert_close(s.double(), r, rtol=tol, atol=tol * clip)
+
+
+@pytest.mark.parametrize("form", sorted(FORCING))
+def test_every_form_clips_differences_as_autograd(form) -> None:
+    torch.manual_seed(4)
+    model = SeqNet().double()
+    x, y = torch.randn(5, 3, 8, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    point_a = [p.detach().clone() for p in model.parameters()]
+    point_b = [p + 0.01 * torch.randn_like(p) for p in point_a]
+    loss_fn = nn.functional.mse_loss
+    with cost.pinned_rates(FORCING[form]):
+        ghost = GhostClipper(model, loss_fn)
+        got = ghost.clipped_diff_sum(x, y, point_a, point_b, 1e-4)
+    assert {c.form for c in ghost.choices.values() if c.shapes[1] > 1} == {form}
+    norms, sums = _reference(model, loss_fn, x, y, 1e-4, params=point_a, other=point_b)
+    assert (got.norms >= norms * (1 - 1e-12)).all()
+    torch.testing.assert_close(got.norms, norms, rtol=1e-10, atol=0)
+    for s, r in zip(got.sums, sums):
+        torch.testing.assert_close(s, r, rtol=1e-9, atol=1e-15)
+
+
+def test_the_choice_ignores_values() -> None:
+    """The same shapes choose the same forms whatever the data (zeros, huge values, NaN)."""
+    model = SeqNet()
+    forms = []
+    for fill in (0.0, 1e30, float("nan")):
+        x = torch.full((6, 3, 9), fill)
+        ghost = GhostClipper(model, nn.functional.mse_loss)
+        with cost.pinned_rates(RATES):
+            ghost.clipped_sum(x, torch.zeros(6), 1.0)
+        forms.append({k: c.form for k, c in ghost.choices.items()})
+    assert forms[0] == forms[1] == forms[2] and forms[0]
+
+
+def test_an_outer_part_reports_its_shapes() -> None:
+    part = Outer([(torch.zeros(3, 7, 5), torch.zeros(3, 7, 2)), (torch.zeros(3, 4, 5), torch.zeros(3, 4, 2))])
+    with cost.pinned_rates(RATES):
+        assert part.choice().shapes == (3, 11, 5, 2)
