@@ -292,3 +292,18 @@ def test_make_private_dp_sgd_steps_without_host_syncs_on_cuda() -> None:
             torch.cuda.synchronize()  # the copies have arrived: the next step's check reads them
     assert [int(c) > 0 for c in counts] == [True, True, True]
     assert sum("non-finite gradients and were dropped" in str(w.message) for w in caught) == 1
+
+
+def test_explain_lists_every_linear_maps_form_and_the_native_share() -> None:
+    from dpvr.grads.ghost import cost
+
+    text = step.explain(cases=["cnn"], batch=4, rounds=1)
+    rows = [line.split() for line in text.splitlines()[2:]]
+    # the two convolutions and the two linear layers, with B = 4 and a form of the cost model each
+    assert [r[0] for r in rows] == ["0.weight", "3.weight", "7.weight", "9.weight"]
+    assert all(r[1] == "4" and r[5] in cost.FORMS for r in rows)
+    assert [r[2] for r in rows[2:]] == ["1", "1"] and all(r[6] == "-" for r in rows[2:])  # no steps
+    share = float(text.splitlines()[0].rsplit(" ", 1)[1])
+    assert 0.0 < share < 1.0
+    with pytest.raises(ValueError, match="host only"):
+        step.explain(cases=["cnn"], device="cuda")

@@ -83,6 +83,7 @@ from torch import Tensor, nn
 
 from dpvr import ops
 from dpvr.grads import GhostClipper, per_sample_grads_at_two_points
+from dpvr.grads.ghost.cost import FORMS as _FORMS
 from dpvr.results import Record
 
 from . import CASES, REAL_CASES, SCALE_CASES
@@ -881,3 +882,32 @@ def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, 
         if device.startswith("cuda"):
             torch.cuda.empty_cache()  # the next case's models start from an empty cache
     return records
+
+
+def explain(*, cases: Sequence[str] = CASES, batch: int | None = None, device: str = "cpu",
+            reduced: bool = False, rounds: int = 3) -> str:
+    """Per case, each linear map's (or convolution's) norm form as the ghost clipper chose it for dpvr's
+    DP-SGD step: the shapes ``B, T, p, q``, the form, the predicted milliseconds of every form (``-``:
+    refused by the memory budget or without steps), then the measured native share of the step
+    (``rounds`` steps). Host only: off the host the clipper keeps the memory rule and the native core
+    does not run."""
+    if not device.startswith("cpu"):
+        raise ValueError("--explain: the time-based choice is made on the host only (use --device cpu)")
+    lines = []
+    for name in cases:
+        case = make_case(name, batch, device, reduced=reduced and name in REAL_CASES)
+        dpvr_step = _Dpvr(copy.deepcopy(case.model), case)
+        dpvr_step.dp_sgd()
+        share = _native_share(dpvr_step.dp_sgd, rounds)
+        lines.append(f"{case.label}: DP-SGD step, native share {share:.2f}")
+        lines.append(f"  {'layer':<40} {'B':>5} {'T':>6} {'p':>6} {'q':>6} {'form':<12} "
+                     + " ".join(f"{f + ' ms':>14}" for f in _FORMS))
+        for layer, choice in dpvr_step.ghost.choices.items():
+            b, t, p, q = choice.shapes
+            ms = ["-" if math.isinf(choice.seconds[f]) else f"{1e3 * choice.seconds[f]:.3f}" for f in _FORMS]
+            predicted = " ".join(f"{m:>14}" for m in ms)
+            lines.append(f"  {layer:<40} {b:>5} {t:>6} {p:>6} {q:>6} {choice.form:<12} {predicted}")
+        if not dpvr_step.ghost.choices:
+            lines.append("  (no linear map or convolution clipped from its activations)")
+        del case
+    return "\n".join(lines)

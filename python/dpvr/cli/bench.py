@@ -74,6 +74,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--logical", type=int, default=1024,
         help=with_default("memory: the logical (accounted) batch; the case is --case, default cnn", 1024),
     )
+    p.add_argument(
+        "--explain", action="store_true",
+        help="step: instead of timing, print per layer the shapes, the norm form the ghost clipper chose, "
+        "the predicted times of every form, and the native share of dpvr's DP-SGD step (host only)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.add_argument("--plot", metavar="PNG", help="step: also plot the methods' ratios and targets to PNG")
     p.set_defaults(run=run)
@@ -86,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
+    if args.explain and args.what != "step":
+        raise ValueError("--explain: only 'bench step' explains its choices")
     if args.plot and args.what != "step":
         raise ValueError("--plot: only 'bench step' draws a figure")
     if args.what != "step" and (args.real or args.reduced or args.autocast != "none"):
@@ -102,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
         if args.reduced and not set(cases) <= set(REAL_CASES):
             raise ValueError(f"--reduced: only the real cases have a reduced size ({', '.join(REAL_CASES)}); "
                              f"got {', '.join(c for c in cases if c not in REAL_CASES)}")
+        if args.explain:
+            print(step.explain(cases=cases, device=args.device, reduced=args.reduced))
+            return 0
         import torch  # here only: the command line starts without torch
 
         autocast = torch.bfloat16 if args.autocast == "bf16" else None
