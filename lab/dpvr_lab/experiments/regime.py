@@ -269,10 +269,13 @@ def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--paper", choices=("diff2", "private-diff", "diff2-real"), default="diff2",
+    parser.add_argument("--paper", choices=("diff2", "private-diff", "diff2-real", "spider"),
+                        default="diff2",
                         help="diff2: DIFF2-GD vs DP-GD (default); private-diff: PrivateDiff vs DP-SGDA on an "
                              "NC-SC minimax problem (dpvr_lab.experiments.regime_minimax); diff2-real: "
-                             "DIFF2-GD vs DP-GD on MNIST-1D records (dpvr_lab.experiments.regime_real)")
+                             "DIFF2-GD vs DP-GD on MNIST-1D records (dpvr_lab.experiments.regime_real); "
+                             "spider: Recursive-SPIDER vs DP-SGD on the dual, KL-DRO "
+                             "(dpvr_lab.experiments.regime_dro)")
     parser.add_argument("--n", type=int, nargs="+", metavar="N", help="dataset sizes (default: 1e4 to 1e6)")
     parser.add_argument("--dimension", type=int, default=10, metavar="D", help="dimension d (default 10)")
     parser.add_argument("--atoms", type=int, default=500, metavar="M", help="distinct records (default 500)")
@@ -303,6 +306,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from . import regime_real
 
         return regime_real.run(args)
+    if getattr(args, "paper", "diff2") == "spider":
+        from . import regime_dro
+
+        return regime_dro.run(args)
     quick = bool(args.quick)
     sizes = list(args.n or (QUICK_SIZES if quick else SIZES))
     epsilons = list(args.epsilon or ((1.0, 4.0) if quick else EPSILONS))
