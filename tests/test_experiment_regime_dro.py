@@ -238,3 +238,19 @@ def test_quick_run_writes_tables_exponents_and_crossover(tmp_path, capsys):
         f"{m} ({p})" for m in regime_dro.METHODS for p in ("theorem", "tuned")}
     assert all(r["spent_epsilon"] <= r["epsilon"] + 1e-9 for r in doc["records"])
     assert os.path.exists(tmp_path / "regime-spider-d10.png")
+
+
+def test_a_run_thrown_onto_the_plateau_counts_as_no_progress():
+    """phi is flat far from x*: Recursive-SPIDER at 16x its step (n = 2000, eps = 1) throws some instances
+    out, to F(x_T) > F(0); those report ||grad F(x0)|| and escaped, the others their own norm at an
+    objective at most F(0)."""
+    p = Problem.planted([0, 1, 2, 3], 10, 500)
+    plan = regime_dro.schedule("Recursive-SPIDER", 2000, 10, 1.0, 0.7, 16.0)
+    result = regime_dro.evaluate("Recursive-SPIDER", p, 2000, plan, 1.0, 0)
+    start = np.zeros_like(p.solution)
+    at_start = np.linalg.norm(regime_dro.gradient(p, start), axis=1)
+    escaped = result["escaped"]
+    assert escaped.any()
+    assert np.all(result["objective"][escaped] > regime_dro.objective(p, start)[escaped])
+    assert np.allclose(result["norms"][escaped], at_start[escaped])
+    assert np.all(result["objective"][~escaped] <= regime_dro.objective(p, start)[~escaped])
