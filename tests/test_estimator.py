@@ -97,6 +97,31 @@ def test_fused_sgd_step_and_optimizer_step_agree_and_both_measure_the_move() -> 
     assert move_opt == pytest.approx(move_sgd)
 
 
+
+def test_the_optimizer_steps_on_a_copy_of_the_release_kept_in_the_gradient_it_already_holds() -> None:
+    """Each step writes the released estimate into the ``.grad`` the parameter already holds (no fresh
+    allocation per step), never handing the optimizer the estimator's own buffer: an optimizer that changes
+    ``.grad`` in place (here: doubles it) leaves the estimate, which later releases build on, untouched."""
+
+    class Doubling(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(2.0)
+            return super().step(closure)
+
+    params = [torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)]
+    x = Iterate(params, Doubling(params, lr=0.1))
+    v = DifferenceEstimator(x.flat)
+    grads = []
+    for step in range(2):
+        total = [torch.tensor([0.3, 0.1, -0.2], dtype=torch.float64) * (step + 1)]
+        v.release("s", ClippedSum(total, 0.5), noise_multiplier=1.0, reset=True, generator=_gen(), iterate=x)
+        torch.testing.assert_close(params[0].grad, 2.0 * v.value[0].view_as(params[0]), rtol=0, atol=0)
+        assert params[0].grad.data_ptr() != v.value[0].data_ptr()
+        grads.append(params[0].grad)
+    assert grads[0] is grads[1]  # the same tensor, written again
+
 def test_an_optimizer_over_other_parameters_is_refused() -> None:
     params = [torch.zeros(2, requires_grad=True)]
     with pytest.raises(ValueError, match="holds 0 of the model's 1 trainable parameters"):

@@ -86,7 +86,7 @@ class Iterate:
                 self.move = abs(lr) * global_norm(direction)
             else:
                 for p, d in zip(self.params, direction):
-                    p.grad = d.view_as(p).clone()
+                    _set_grad(p, d.view_as(p))
                 for p in self.frozen:  # whatever gradient a frozen parameter held is not the release's
                     p.grad = None
                 self.optimizer.step()
@@ -106,6 +106,18 @@ class Iterate:
                 "radii, or restart the estimator more often"
             )
 
+
+
+def _set_grad(p: Tensor, value: Tensor) -> None:
+    """``p.grad`` set to a copy of ``value`` (never the estimator's own buffer, which the optimizer could
+    change in place): into the gradient tensor ``p`` already holds where it has the right layout, sparing
+    a fresh allocation (and, for large models on the host, its page faults) at every step."""
+    g = p.grad
+    if (g is None or g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype
+            or g.device != p.device or not g.is_contiguous()):
+        p.grad = value.clone()
+    else:
+        g.copy_(value)
 
 @dataclass(frozen=True)
 class Radius:
