@@ -169,6 +169,24 @@ def test_float32_out_gets_the_float64_sum_rounded_once() -> None:
         assert torch.equal(out32[0], out64[0].to(torch.float32)), mode
 
 
+
+@pytest.mark.parametrize("mode", ["ghost", "materialised"])
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_replace_writes_the_sum_that_adding_into_zeros_writes(mode, chunk, dtype) -> None:
+    """``sum(..., replace=True)`` into a buffer holding anything is bit for bit the sum added into zeros
+    (what DP-SGD releases without zeroing its buffer first); an empty batch leaves zeros."""
+    model = _model()
+    x, y = _records(40, "cancelling")
+    engine_ = ClippedGradients(model, _loss, mode=mode, chunk_size=chunk)
+    added = [torch.zeros(D, dtype=dtype)]
+    engine_.sum(x, y, CLIP, added)
+    dirty = [torch.full((D,), 123.0, dtype=dtype)]
+    assert engine_.sum(x, y, CLIP, dirty, replace=True) == 0
+    assert torch.equal(dirty[0], added[0])
+    assert engine_.sum(x[:0], y[:0], CLIP, dirty, replace=True) == 0
+    assert torch.equal(dirty[0], torch.zeros(D, dtype=dtype))
+
 def test_accumulators_are_float64_zeros_shaped_like_the_parameters() -> None:
     acc = accumulators([torch.ones(3, dtype=torch.float32), torch.ones(2, 2)])
     assert [(t.dtype, tuple(t.shape), float(t.abs().sum())) for t in acc] == [

@@ -51,10 +51,14 @@ def _wide(out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [o if o.dtype == torch.float64 else torch.zeros_like(o, dtype=torch.float64) for o in out]
 
 
-def _flush(wide: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+def _flush(wide: Sequence[torch.Tensor], out: Sequence[torch.Tensor], replace: bool = False) -> None:
     for o, w in zip(out, wide):
-        if w is not o:
-            o.add_(w)  # one rounding to out's dtype
+        if w is o:
+            continue
+        if replace:
+            o.copy_(w)  # one rounding to out's dtype
+        else:
+            o.add_(w)
 
 
 def finite_records(values: torch.Tensor, policy: str, what: str) -> tuple[torch.Tensor, int]:
@@ -188,9 +192,12 @@ class ClippedGradients:
         norms: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
         losses: torch.Tensor | None = None,
+        *,
+        replace: bool = False,
     ) -> int | torch.Tensor:
         """``out += sum_i clip_C(w_i grad l(point; z_i))`` (``weights`` ``w`` scale before the norm; default
-        1); returns the number of non-finite samples. ``norms`` and ``losses``, when given, receive each
+        1), or ``out = ...`` with ``replace`` (which spares the caller a pass zeroing ``out``); returns the
+        number of non-finite samples. ``norms`` and ``losses``, when given, receive each
         sample's gradient norm and loss (from the pass that formed the sum: no extra work). ``clip`` may be a
         :class:`~dpvr.grads.layer_clip.LayerRadii` (per-layer clipping, on both paths: each group of
         parameters clipped to its own radius, a sample's whole term then of norm at most ``clip.total``;
@@ -198,16 +205,19 @@ class ClippedGradients:
         the count of the ghost path is a 0-d device tensor (see the class)."""
         inputs, targets = as_inputs(inputs), as_inputs(targets)
         if len(inputs) == 0:
+            for o in out if replace else ():
+                o.zero_()
             return 0
         acc = _wide(out)
         if self._ghost is not None:
             dropped = 0
-            for x, t, w, n, loss in self._micro_batches(inputs, targets, weights, norms, losses):
+            parts = self._micro_batches(inputs, targets, weights, norms, losses)
+            for k, (x, t, w, n, loss) in enumerate(parts):
                 result = self._ghost.clipped_sum(x, t, clip, weights=w, params=point, wide=True)
-                dropped += self._add(result.sums, result.norms, acc, n)
+                dropped += self._add(result.sums, result.norms, acc, n, replace=replace and k == 0)
                 if loss is not None:
                     loss.copy_(result.losses)
-            _flush(acc, out)
+            _flush(acc, out, replace)
             return self._dropped(dropped, len(inputs))
         grads, each = per_sample_grads(
             self.model, self.loss_fn, inputs, targets, params=point, chunk_size=self.chunk_size,
@@ -215,12 +225,15 @@ class ClippedGradients:
         )
         if losses is not None:
             losses.copy_(each)
+        for a, o in zip(acc, out) if replace else ():
+            if a is o:  # the kernels accumulate
+                a.zero_()
         if isinstance(clip, LayerRadii):
             count = self._clip_layers(grads, clip, acc, weights, norms)
         else:
             count = ops.clip_accumulate(grads, clip, acc, weights=weights, norms=norms,
                                         nonfinite=self.nonfinite)
-        _flush(acc, out)
+        _flush(acc, out, replace)
         return self._dropped(int(count), len(inputs))
 
     def _clip_layers(self, grads: Sequence[torch.Tensor], radii: LayerRadii, acc: Sequence[torch.Tensor],
@@ -375,11 +388,14 @@ class ClippedGradients:
             )
 
     @staticmethod
-    def _add(sums, sample_norms, out, norms) -> int | torch.Tensor:
-        """Adds a micro-batch's sums to ``out``; its non-finite count (NaN norms): an int on the host, a 0-d
-        device tensor on a device (reading it would wait for the device)."""
+    def _add(sums, sample_norms, out, norms, *, replace: bool = False) -> int | torch.Tensor:
+        """Adds a micro-batch's sums to ``out`` (writes them there, with ``replace``); its non-finite count
+        (NaN norms): an int on the host, a 0-d device tensor on a device (reading it would wait for it)."""
         for o, s in zip(out, sums):
-            o.add_(s.reshape(-1))
+            if replace:
+                o.copy_(s.reshape(-1))
+            else:
+                o.add_(s.reshape(-1))
         if norms is not None:
             norms.copy_(sample_norms)
         count = torch.isnan(sample_norms).sum()
