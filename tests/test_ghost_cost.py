@@ -23,6 +23,9 @@ def test_predictions_follow_the_formulas() -> None:
     total64 = 2 * b * t * p * q / RATES.matmul64
     assert got["gram"] == pytest.approx(b * t * (t + 1) / 2 * (p + q) / RATES.gram + total64, rel=1e-12)
     assert got["direct"] == pytest.approx(b * t * p * q / RATES.direct + total64, rel=1e-12)
+    assert got["chunked"] == pytest.approx(
+        2 * b * t * p * q / RATES.matmul64 + b * p * q * 24 / RATES.bandwidth + total64, rel=1e-12)
+    assert math.isinf(cost.predict(b, 1, p, q, 4, RATES, budget=1e9)["chunked"])  # no steps, no matrices
     assert got["materialise"] == pytest.approx(
         2 * b * t * p * q / RATES.matmul32 + b * p * q * (3 * 4 + 8) / RATES.bandwidth, rel=1e-12)
 
@@ -32,9 +35,12 @@ def test_the_choice_is_by_time_from_shapes() -> None:
     assert cost.choose(64, 64, 64, 128, 4, RATES, 256 * MIB).form == "materialise"
     # one step (an MLP's layer): nothing to materialise; the Gram form is O(p + q) per sample
     assert cost.choose(512, 1, 784, 256, 4, RATES, 256 * MIB).form == "gram"
-    # many steps of narrow widths (a first convolution) and no memory budget: the native direct form,
-    # whose memory is one matrix per thread, beats the Gram form's T^2
-    assert cost.choose(256, 784, 9, 16, 4, RATES, 0.0).form == "direct"
+    # many steps of narrow widths (a first convolution) and no memory budget: a streamed direct form beats
+    # the Gram form's T^2; torch's float64 chunks beat the native one sample at a time at these rates ...
+    assert cost.choose(256, 784, 9, 16, 4, RATES, 0.0).form == "chunked"
+    # ... and not where the float64 matmul is slow
+    slow64 = cost.Rates(matmul32=1e11, matmul64=1e9, gram=8e9, direct=1.2e10, bandwidth=1e10)
+    assert cost.choose(256, 784, 9, 16, 4, slow64, 0.0).form == "direct"
     # ... and the Gram form wins at few steps and wide maps, whatever the budget
     assert cost.choose(4, 3, 512, 512, 4, RATES, 1e12).form == "gram"
     # slower float32 matmuls move the same layer to the native form: the rates decide, not a fixed rule
@@ -94,6 +100,7 @@ FORCING = {
     "materialise": cost.Rates(matmul32=1e20, matmul64=1e10, gram=1e3, direct=1e3, bandwidth=1e20),
     "gram": cost.Rates(matmul32=1e3, matmul64=1e10, gram=1e20, direct=1e3, bandwidth=1e3),
     "direct": cost.Rates(matmul32=1e3, matmul64=1e10, gram=1e3, direct=1e20, bandwidth=1e3),
+    "chunked": cost.Rates(matmul32=1e3, matmul64=1e20, gram=1e3, direct=1e3, bandwidth=1e20),
 }
 
 
@@ -181,3 +188,23 @@ def test_an_outer_part_reports_its_shapes() -> None:
     part = Outer([(torch.zeros(3, 7, 5), torch.zeros(3, 7, 2)), (torch.zeros(3, 4, 5), torch.zeros(3, 4, 2))])
     with cost.pinned_rates(RATES):
         assert part.choice().shapes == (3, 11, 5, 2)
+
+
+def test_the_chunked_form_streams_samples_with_the_same_result(monkeypatch) -> None:
+    from dpvr.grads.ghost import norms
+
+    torch.manual_seed(5)
+    model = SeqNet().double()
+    x, y = torch.randn(6, 3, 9, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    with cost.pinned_rates(FORCING["chunked"]):
+        whole = GhostClipper(model, nn.functional.mse_loss).clipped_sum(x, y, 0.05)
+        seen = []
+        chunked = norms._chunked
+        monkeypatch.setattr(norms, "_MAX_SCRATCH", 20)  # below one sample's 5 x 9 and 4 x 5 matrices
+        monkeypatch.setattr(norms, "_chunked",
+                            lambda b, n, fn: seen.append(max(1, 20 // n)) or chunked(b, n, fn))
+        streamed = GhostClipper(model, nn.functional.mse_loss).clipped_sum(x, y, 0.05)
+    assert len(seen) == 3 and min(seen) == 1 and max(seen) < 6  # every part in chunks, some of one sample
+    torch.testing.assert_close(streamed.norms, whole.norms, rtol=1e-14, atol=0)
+    for s, w in zip(streamed.sums, whole.sums):
+        torch.testing.assert_close(s, w, rtol=1e-14, atol=1e-18)

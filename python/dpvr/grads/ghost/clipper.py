@@ -153,7 +153,8 @@ class GhostClipper:
             :func:`dpvr.ops.ghost_norms`), or ``"auto"``: on the host, each such part takes the form
             predicted fastest on this machine from its shapes, under a memory budget
             (:mod:`~dpvr.grads.ghost.cost`: the per-sample matrices materialised in one batched product,
-            or the native Gram or direct form; the choices are in :attr:`choices`); off the host, a layer
+            the native Gram or direct form, or the direct form in float64 chunks of samples; the choices
+            are in :attr:`choices`); off the host, a layer
             applied at several steps whose per-sample matrix is no larger than its recorded inputs and
             output gradients has it materialised (:meth:`Outer.worth_materialising`), every other layer
             takes the cheaper of the two forms by operation count. The choice depends on shapes and the
@@ -700,7 +701,8 @@ class GhostClipper:
         if self.backend == "native":
             # The kernels measure a tied part's two parts apart; its cross term is added in torch.
             apart = [q for _, p in parts for q in ((p.rows, p.outer) if isinstance(p, Tied) else (p,))]
-            outers = [p for p in apart if isinstance(p, Outer)]
+            outers = [p for p in apart if isinstance(p, Outer) and p.norm_form != "chunked"]
+            chunked = [p for p in apart if isinstance(p, Outer) and p.norm_form == "chunked"]
             norms_sq = torch.empty(batch, dtype=torch.float64)
             # The same pass gives each Outer part's R_i, which write_error would otherwise measure again.
             bounds = torch.empty(len(outers), batch, dtype=torch.float64)
@@ -712,6 +714,7 @@ class GhostClipper:
             error = torch_norms.write_error(parts, batch, dtype, self._device,
                                             known={id(p): bounds[j] for j, p in enumerate(outers)},
                                             accumulate=torch.float64)
+            norms_sq = torch_norms.with_terms(norms_sq, torch_norms.chunked_terms(chunked))
             norms_sq = torch_norms.with_cross_terms(norms_sq, [p for _, p in parts])
             factors = torch.empty(batch, dtype=dtype)
             norms = torch.empty(batch, dtype=dtype)

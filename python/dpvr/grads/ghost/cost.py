@@ -14,6 +14,11 @@ samples, widths ``p`` and ``q``) has three forms:
 - ``"direct"``: the native float64 direct form, which forms one sample's ``(q, p)`` matrix at a time (the
   direct form streamed sample by sample: its memory is one matrix per thread, whatever ``B``), then the same
   float64 sum as the Gram form.
+- ``"chunked"``: the direct form streamed in chunks of samples through torch's batched float64 matmul
+  (``2 B T p q`` flops at the float64 matmul rate, then the squares read once), whose chunks hold at most
+  :data:`~dpvr.grads.ghost.norms.SCRATCH_ENTRIES` float64 entries (128 MiB, and one temporary as large),
+  whatever ``B``; then the same float64 sum. Its bound is the torch path's
+  (:func:`~dpvr.grads.ghost.norms.ghost_norms`, form ``"direct"``).
 
 The rates come from a short micro-benchmark (:func:`calibrate`, well under a second) run once per machine
 and cached as JSON under the user's cache directory (``$XDG_CACHE_HOME/dpvr`` or ``~/.cache/dpvr``), keyed
@@ -47,7 +52,7 @@ import torch
 
 from ... import ops
 
-FORMS = ("materialise", "gram", "direct")
+FORMS = ("materialise", "gram", "direct", "chunked")
 DEFAULT_DIRECT_MIB = 256.0
 CALIBRATE_ENV = "DPVR_GHOST_CALIBRATE"
 BUDGET_ENV = "DPVR_GHOST_DIRECT_MIB"
@@ -107,7 +112,10 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
                        + entries * (3 * itemsize + 8) / rates.bandwidth)
     gram = b * t * (t + 1) / 2.0 * (p + q) / rates.gram + float64_sum
     direct = b * t * p * q / rates.direct + float64_sum
-    return {"materialise": materialise, "gram": gram, "direct": direct}
+    chunked = float("inf")
+    if steps > 1:  # the matrices in float64, then their squares summed: a write and two reads
+        chunked = 2.0 * b * t * p * q / rates.matmul64 + entries * 24.0 / rates.bandwidth + float64_sum
+    return {"materialise": materialise, "gram": gram, "direct": direct, "chunked": chunked}
 
 
 def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates | None = None,

@@ -20,7 +20,8 @@ from ... import ops
 from .rules import Dense, Outer, Part, Rows, Tied
 
 U64 = 2.0 ** -53
-_MAX_SCRATCH = 1 << 24  # float64 entries of one chunk's per-sample matrices (128 MiB)
+SCRATCH_ENTRIES = 1 << 24  # float64 entries of one chunk's per-sample matrices (128 MiB)
+_MAX_SCRATCH = SCRATCH_ENTRIES
 
 
 def _sequence(t: Tensor) -> Tensor:
@@ -158,6 +159,18 @@ def _upper_sum(terms: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
         magnitude += s.abs()
     upper = (sumsq.clamp(min=0) + bound + ((len(terms) + 4.0) * U64) * magnitude) * (1.0 + 8.0 * U64)
     return upper.masked_fill(~torch.isfinite(upper), float("nan"))
+
+
+def chunked_terms(parts: Sequence[Outer]) -> list[tuple[Tensor, Tensor]]:
+    """Each Outer part's squared norms by the direct form in float64 chunks of samples (the torch path's
+    formula and bound, :func:`_outer`), as ``(value, bound)`` pairs for :func:`_upper_sum`: the native
+    clipper's ``"chunked"`` form (:mod:`~dpvr.grads.ghost.cost`)."""
+    return [_term(p, "direct") for p in parts]
+
+
+def with_terms(norms_sq: Tensor, terms: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """Upper bounds on ``norms_sq`` (upper bounds themselves) plus exact values bounded by ``terms``."""
+    return _upper_sum([(norms_sq, torch.zeros_like(norms_sq)), *terms]) if terms else norms_sq
 
 
 def _term(part: Part, form: str) -> tuple[Tensor, Tensor]:
