@@ -208,3 +208,35 @@ def test_the_chunked_form_streams_samples_with_the_same_result(monkeypatch) -> N
     torch.testing.assert_close(streamed.norms, whole.norms, rtol=1e-14, atol=0)
     for s, w in zip(streamed.sums, whole.sums):
         torch.testing.assert_close(s, w, rtol=1e-14, atol=1e-18)
+
+
+class TwoMaps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x))).mean(dim=(1, 2))
+
+
+def test_the_budget_bounds_all_materialised_parts_together(monkeypatch) -> None:
+    torch.manual_seed(6)
+    model = TwoMaps()
+    x, y = torch.randn(6, 7, 5), torch.randn(6)
+    entries = 6 * 5 * 5  # one layer's (B, q, p) matrices
+    # room for one layer's matrices and their float64 copy, then not for the second's
+    monkeypatch.setenv(cost.BUDGET_ENV, str(entries * (4 + 8) / MIB))
+    with cost.pinned_rates(FORCING["materialise"]):
+        ghost = GhostClipper(model, nn.functional.mse_loss)
+        got = ghost.clipped_sum(x, y, 0.01)
+        forms = [ghost.choices[k].form for k in ("first.weight", "second.weight")]
+        assert forms[0] == "materialise" and forms[1] != "materialise"
+        monkeypatch.setenv(cost.BUDGET_ENV, str(2 * entries * (4 + 8) / MIB))
+        ghost.clipped_sum(x, y, 0.01)
+        assert {ghost.choices[k].form for k in ("first.weight", "second.weight")} == {"materialise"}
+    model64 = TwoMaps().double()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    norms, sums = _reference(model64, nn.functional.mse_loss, x.double(), y.double(), 0.01)
+    assert (got.norms.double() >= norms * (1 - 1e-6)).all()
+    for s, r in zip(got.sums, sums):
+        torch.testing.assert_close(s.double(), r, rtol=1e-4, atol=1e-6)

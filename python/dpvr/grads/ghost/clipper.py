@@ -121,6 +121,7 @@ class _Recording:
     calls: dict[_Layer, list[LayerCall]]
     losses: Tensor
     parts: dict[_Layer, tuple[dict[str, Part], bool]] = field(default_factory=dict)
+    held: float = 0.0  # bytes of the per-sample matrices materialised at this point, held until the sums
 
 
 @dataclass
@@ -628,12 +629,16 @@ class GhostClipper:
                 if self.norm_form != "auto" or not isinstance(part, Outer):
                     continue
                 if self.backend == "native":
-                    # By predicted time on this machine under the memory budget, from the shapes only.
-                    choice = part.choice()
+                    # By predicted time on this machine, from the shapes only, under what is left of the
+                    # memory budget: materialised parts are all held until the clipped sums, so the budget
+                    # bounds their total at this point (in the layers' fixed order).
+                    choice = part.choice(max(cost.direct_budget_bytes() - rec.held, 0.0))
                     self.choices[f"{layer.name}.{attr}"] = choice
                     if choice.form != "materialise":
                         part.norm_form = choice.form
                         continue
+                    batch, _, p, q = choice.shapes
+                    rec.held += batch * p * q * part.pieces[0][0].element_size()
                 elif not part.worth_materialising():  # off the host: the memory rule
                     continue
                 got[attr], materialised = Dense(part.per_sample()), True

@@ -6,8 +6,10 @@ samples, widths ``p`` and ``q``) has three forms:
 
 - ``"materialise"``: the ``(B, q, p)`` per-sample matrices in one batched matmul in the parameters' dtype
   (``2 B T p q`` flops at the batched float32 matmul rate); the norms and the clipped sum then read those
-  matrices (memory-bound passes). It holds ``B p q`` entries, plus their float64 copy while the sum is
-  formed, so it is refused when that exceeds the memory budget (:func:`direct_budget_bytes`).
+  matrices (memory-bound passes). It holds ``B p q`` entries until the clipped sums, plus their float64
+  copy while its sum is formed, so it is refused when that exceeds what is left of the memory budget
+  (:func:`direct_budget_bytes`), which bounds all the parts materialised at one parameter point together
+  (the clipper charges them in the layers' order).
 - ``"gram"``: the native float64 Gram form over pairs of steps (``B T (T + 1) / 2 (p + q)`` multiply-adds at
   the native kernel's rate), then the clipped sum as one float64 matmul over samples and steps
   (``2 B T p q`` flops at the float64 matmul rate). Memory: the recording only.

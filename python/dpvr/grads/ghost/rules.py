@@ -147,13 +147,14 @@ class Outer:
         steps, p, q = self.sizes()
         return steps > 1 and p * q <= steps * (p + q)
 
-    def choice(self) -> cost.Choice:
-        """The form of this part's norms predicted fastest on this machine (:func:`cost.choose`), from its
-        shapes alone: the batch, the steps of all its pieces (as recorded), its widths and its dtype."""
+    def choice(self, budget: float | None = None) -> cost.Choice:
+        """The form of this part's norms predicted fastest on this machine (:func:`cost.choose`, under
+        ``budget`` bytes for the materialised form: default the whole budget), from its shapes alone: the
+        batch, the steps of all its pieces (as recorded), its widths and its dtype."""
         steps, p, q = self.sizes()
         m = self.pieces[0][0]
         total = steps + sum(mj.shape[1] if mj.dim() == 3 else 1 for mj, _ in self.pieces[1:])
-        return cost.choose(m.shape[0], total, p, q, m.element_size())
+        return cost.choose(m.shape[0], total, p, q, m.element_size(), budget=budget)
 
     def per_sample(self) -> Tensor:
         """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``."""
