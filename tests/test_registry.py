@@ -307,3 +307,71 @@ def test_make_private_refuses_an_unknown_algorithm():
     model, criterion, data = _LINEAR
     with pytest.raises(ValueError, match="algorithm: must be one of"):
         dpvr.make_private(model(), criterion, data(), algorithm="dp-sdg", epsilon=1.0, steps=1)
+
+
+# ---- one home per algorithm: each entry from its own module, its arguments from one schema ---------------
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_each_built_in_entry_is_registered_from_its_own_module(name):
+    """dpvr.algorithms.<name> holds the entry that the registry serves, and the rules make_private applies
+    are the ones bound there (no table elsewhere keyed by the name)."""
+    import importlib
+
+    from dpvr.trainer import defaults
+
+    home = importlib.import_module(f"dpvr.algorithms.{name.replace('-', '_')}")
+    assert home.SPEC is get(name)
+    assert defaults.derivable(name) == tuple(home.SPEC.rules)
+    assert defaults.derives_steps(name) == (home.SPEC.steps_rule is not None)
+    assert callable(home.SPEC.data_parallel)
+
+
+def test_the_schema_derives_arguments_and_refuses_what_it_cannot_parse():
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        size: int = registry.setting("n")
+        sizes: tuple[int, ...] = registry.setting("b1,b2")
+        rate: float | None = registry.setting("q", None)
+        mode: str = registry.setting("a or b", "a", choices=("a", "b"))
+        flag: bool = registry.setting("switch", True)
+
+    size, sizes, rate, mode, flag = registry.schema_arguments(Settings)
+    assert size == registry.Argument("size", int, "n", required=True)
+    assert sizes.type is registry.ints and sizes.type("3,4") == (3, 4) and sizes.required
+    assert rate == registry.Argument("rate", float, "q") and not rate.required
+    assert mode == registry.Argument("mode", str, "a or b", default="a", choices=("a", "b"))
+    assert flag.type is bool and flag.flag == "--no-flag"
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared:
+        size: int = 3
+
+    with pytest.raises(TypeError, match=r"Undeclared.size: declare it with setting\(help, ...\)"):
+        registry.schema_arguments(Undeclared)
+
+    @dataclasses.dataclass(frozen=True)
+    class Unparsed:
+        point: complex = registry.setting("z")
+
+    with pytest.raises(TypeError, match=r"Unparsed.point: no parser for 'complex'"):
+        registry.schema_arguments(Unparsed)
+    parsed = dataclasses.make_dataclass("Parsed", [("point", complex, registry.setting("z", parse=complex))])
+    assert registry.schema_arguments(parsed)[0].type is complex
+    with pytest.raises(TypeError, match="schema: expected a dataclass type"):
+        registry.schema_arguments(Settings(1, (2,)))
+
+
+def test_an_entry_states_its_data_parallel_support_as_a_callable():
+    spec = get("dp-sgd")
+    with pytest.raises(TypeError, match="dp-sgd: data_parallel must be a callable of the settings"):
+        dataclasses.replace(spec, data_parallel=True)
+    with pytest.raises(TypeError, match=r"dp-sgd: rules \['lr'\] must be callables"):
+        dataclasses.replace(spec, rules={"lr": 0.1})
+    refused = "algorithm: not data-parallel over a process group: it does not state"
+    assert registry.undeclared({}).startswith(refused)
+    assert registry.refuses("keeps x")({"a": 1}) == (
+        "algorithm: not data-parallel over a process group: it keeps x; run it in one process (DIFF2 across "
+        "processes: dpvr.distributed)"
+    )
+    private_diff = get("private-diff").data_parallel
+    assert private_diff({"y_release": "ascent"}) is None
+    assert private_diff({"y_release": "output"}).startswith("y_release: 'output' is not data-parallel")

@@ -7,6 +7,8 @@ The algorithms and accounting entry points load on first use, so ``import dpvr``
 import importlib
 from importlib import metadata as _metadata
 
+# The built-in algorithms register themselves (dpvr.registry) from their own modules; torch-free.
+from . import algorithms  # noqa: F401
 from .ops import (
     NoiseGenerator,
     PredictableNoiseError,

@@ -1,13 +1,18 @@
-"""The algorithm registry: one :class:`AlgorithmSpec` per algorithm name.
+"""The algorithm registry's protocol: :class:`AlgorithmSpec`, the :class:`Argument` form of its settings, and
+:func:`register`/:func:`get`.
 
 An entry ties a name (``diff2``) to everything the layers above the algorithms need: the plan that describes
 a run's releases to the accountant, the arguments that plan takes (with the Python API's defaults, which the
 command line shows and uses), the paper's name for each stream's noise, the class that runs the algorithm,
-its default neighbouring relation, how ``make_private`` lays out its run and the audit games that exercise
-it. ``dpvr account|calibrate`` build their flags from it, ``make_private`` reads its layout from it and
-``dpvr audit`` lists its games by it, so adding an algorithm is its plan (:class:`dpvr.privacy.Plan`), its
-class (:class:`dpvr.optim.PrivateAlgorithm`) and one entry here: the built-in ones below, or
-:func:`register` for an algorithm defined outside dpvr (its games, if any, in :data:`dpvr.audit.TARGETS`).
+its default neighbouring relation, how ``make_private`` lays out its run, the settings it derives from its
+theorems, whether ``make_private`` may split it over a process group, and the audit games that exercise it.
+``dpvr account|calibrate`` build their flags from it, ``make_private`` reads its layout, its theorem rules and
+its data-parallel support from it, and ``dpvr audit`` lists its games by it.
+
+The built-in algorithms register themselves from their own modules in :mod:`dpvr.algorithms` (imported with
+``dpvr``); an algorithm defined outside dpvr registers the same way, with :func:`register`, and is then run,
+defaulted and split like them. Its arguments come from one schema: a frozen dataclass of its settings, each
+field a :func:`setting` with its help text (:func:`schema_arguments`).
 
 The registry sits above :mod:`dpvr.optim` and :mod:`dpvr.audit` and imports neither: classes are named by
 import path and games by name, resolved on demand, so reading it costs no torch import.
@@ -16,25 +21,13 @@ import path and games by name, resolved on demand, so reading it costs no torch 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .privacy import (
-    ACCOUNTANTS,
-    NEIGHBOURING,
-    CyclicDPSGDPlan,
-    DIFF2Plan,
-    DoubleSpiderPlan,
-    DPSGDAPlan,
-    DPSGDPlan,
-    PhasedPlan,
-    Plan,
-    PrivateDiffPlan,
-    RecursiveSpiderPlan,
-)
+from .privacy import ACCOUNTANTS, NEIGHBOURING, Plan
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -92,6 +85,75 @@ class Sigma:
     help: str
 
 
+# ---- the settings schema --------------------------------------------------------------------------------
+
+
+def setting(help: str, default: Any = dataclasses.MISSING, *, choices: tuple[Any, ...] | None = None,
+            parse: Callable[[str], Any] | None = None) -> Any:
+    """A field of an algorithm's settings schema: its ``help`` text, its ``default`` (none: required), the
+    ``choices`` it takes, and how its flag's text is parsed where its annotation does not say (``parse``)."""
+    metadata = {"help": help, "choices": choices, "parse": parse}
+    if default is dataclasses.MISSING:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# An annotation's text -> how a flag's text is parsed (``x | None`` reads as ``x``: no default).
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": int, "float": float, "str": str, "bool": bool,
+    "tuple[int, ...]": ints, "tuple[float, ...]": floats,
+}
+
+
+def schema_arguments(schema: type) -> tuple[Argument, ...]:
+    """The :class:`Argument` of every field of ``schema`` (a dataclass whose fields are :func:`setting`), in
+    field order: a field without a default is required, and its annotation (or its ``parse``) gives the
+    flag's parser."""
+    if not dataclasses.is_dataclass(schema) or not isinstance(schema, type):
+        raise TypeError(f"schema: expected a dataclass type, got {schema!r}")
+    arguments = []
+    for f in dataclasses.fields(schema):
+        if "help" not in f.metadata:
+            raise TypeError(f"{schema.__name__}.{f.name}: declare it with setting(help, ...)")
+        # The annotation's text: as written under postponed evaluation, else the class's name or the alias'
+        # own text (``tuple[int, ...]``, ``float | None``).
+        annotation = f.type if isinstance(f.type, str) else (
+            f.type.__name__ if isinstance(f.type, type) else repr(f.type))
+        parse = f.metadata["parse"] or _PARSERS.get(annotation.removesuffix(" | None"))
+        if parse is None:
+            raise TypeError(f"{schema.__name__}.{f.name}: no parser for {annotation!r}; "
+                            "give setting(parse=...)")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        arguments.append(Argument(f.name, parse, f.metadata["help"], default=None if required else f.default,
+                                  required=required, choices=f.metadata["choices"]))
+    return tuple(arguments)
+
+
+# ---- data-parallel support ------------------------------------------------------------------------------
+
+
+def all_reduced(settings: Mapping[str, Any]) -> str | None:
+    """:attr:`AlgorithmSpec.data_parallel` of an algorithm whose every release is a sum of per-record terms
+    (clipped gradients or their differences) that ``make_private``'s process-group split all-reduces: it
+    refuses no settings."""
+    return None
+
+
+def refuses(why: str) -> Callable[[Mapping[str, Any]], str]:
+    """:attr:`AlgorithmSpec.data_parallel` of an algorithm that never runs split over a process group:
+    ``why`` says what it releases that is not all-reduced."""
+
+    def refusal(settings: Mapping[str, Any]) -> str:
+        return (f"algorithm: not data-parallel over a process group: it {why}; run it in one process (DIFF2 "
+                "across processes: dpvr.distributed)")
+
+    return refusal
+
+
+#: The default of :attr:`AlgorithmSpec.data_parallel`: an algorithm that does not state otherwise is refused.
+undeclared = refuses("does not state that its releases are all-reduced (AlgorithmSpec.data_parallel)")
+
+
 #: How ``make_private`` lays out a run (:attr:`AlgorithmSpec.layout`).
 LAYOUTS = ("sampled", "full-batch", "per-stream")
 #: What an algorithm solves (:attr:`AlgorithmSpec.problem`).
@@ -122,7 +184,15 @@ class AlgorithmSpec:
     - ``problem`` and ``federated``, read by ``make_private`` only: ``problem`` is ``"minimisation"`` (it
       takes a loss callable) or ``"minimax"`` (a :class:`~dpvr.problems.MinimaxProblem`); a ``federated``
       class takes one dataset per client (``make_private`` passes its list of datasets);
-    - ``audit_games``: the keys of :data:`dpvr.audit.TARGETS` that audit it.
+    - ``audit_games``: the keys of :data:`dpvr.audit.TARGETS` that audit it;
+    - ``rules``: the settings ``make_private`` derives from the algorithm's theorems when they are not given,
+      each ``rule(settings, public)`` returning a :class:`dpvr.algorithms.theorems.Derived` (or None where
+      it does not apply), ``public`` the run's :class:`~dpvr.algorithms.theorems.Public` quantities (so a
+      default is a function of public inputs only); ``steps_rule`` the same for the run's length when
+      neither ``steps`` nor ``epochs`` is given;
+    - ``data_parallel(settings)``: None where ``make_private`` may split a run with these settings over a
+      process group (every release a sum it all-reduces: :func:`all_reduced`), else the refusal's message
+      (:func:`refuses`; the default, :data:`undeclared`, refuses).
     """
 
     name: str
@@ -139,6 +209,9 @@ class AlgorithmSpec:
     problem: Literal["minimisation", "minimax"] = "minimisation"
     federated: bool = False
     audit_games: tuple[str, ...] = ()
+    rules: Mapping[str, Callable[[Mapping[str, Any], Any], Any]] = field(default_factory=dict)
+    steps_rule: Callable[[Mapping[str, Any], Any], Any] | None = None
+    data_parallel: Callable[[Mapping[str, Any]], str | None] = undeclared
 
     def __post_init__(self) -> None:
         if (self.noise is None) == (not self.sigmas):
@@ -147,6 +220,13 @@ class AlgorithmSpec:
             raise ValueError(f"{self.name}: layout must be one of {LAYOUTS} or None, got {self.layout!r}")
         if self.problem not in PROBLEMS:
             raise ValueError(f"{self.name}: problem must be one of {PROBLEMS}, got {self.problem!r}")
+        if not callable(self.data_parallel):
+            raise TypeError(f"{self.name}: data_parallel must be a callable of the settings (all_reduced, "
+                            f"refuses(why) or its own), got {self.data_parallel!r}")
+        bad = sorted(name for name, rule in self.rules.items() if not callable(rule))
+        if bad or (self.steps_rule is not None and not callable(self.steps_rule)):
+            raise TypeError(f"{self.name}: rules {bad or ['steps_rule']} must be callables of "
+                            "(settings, public)")
 
     def algorithm_class(self) -> type:
         """The class that runs the algorithm (imported now)."""
@@ -178,305 +258,7 @@ class AlgorithmSpec:
         return next((s for s in self.sigmas if s.stream == stream), None)
 
 
-# ---- arguments several algorithms share ------------------------------------------------------------------
 
-
-def _dataset_size(help: str = "number of records n") -> Argument:
-    return Argument("dataset_size", int, help, required=True)
-
-
-def _steps(help: str = "number of steps T") -> Argument:
-    return Argument("steps", int, help, required=True)
-
-
-def _batch_size(help: str = "batch size m (expected, for Poisson sampling)") -> Argument:
-    return Argument("batch_size", int, help, required=True)
-
-
-_SCHEME_HELP = {
-    "poisson": "poisson (each record with rate q)",
-    "wor": "wor (fixed size, without replacement)",
-    "full": "full",
-    "random-allocation": "random-allocation (each record in one random step of every n/b; add-remove, pld)",
-}
-
-
-def _sampling(default: str, choices: tuple[str, ...]) -> Argument:
-    described = ", ".join(_SCHEME_HELP[c] for c in choices)
-    return Argument("sampling", str, f"batch sampling: {described}", default=default, choices=choices)
-
-
-def _spider_streams(streams: tuple[str, ...], letter: str) -> tuple[tuple[Argument, ...], Argument]:
-    """The arguments of a SPIDER plan, and its noise multipliers."""
-    arguments = (
-        _dataset_size(),
-        _steps(),
-        Argument(
-            "restart", int, "refresh period q: refreshes at the steps t with t mod q = 0", required=True
-        ),
-        Argument(
-            "batch_sizes",
-            ints,
-            f"{letter}1,{letter}2,{letter}3,{letter}4: the batch size of each stream in the paper's order (a "
-            "batch equal to the dataset size is the full batch)",
-            required=True,
-        ),
-        _sampling("wor", ("wor", "poisson")),
-    )
-    noise = Argument(
-        "noise_multipliers", floats, f"noise multipliers, one per stream in this order: {','.join(streams)}"
-    )
-    return arguments, noise
-
-
-def _dp_gd_plan(steps: int, neighbouring: str) -> DPSGDPlan:
-    """DP-SGD on the full batch."""
-    return DPSGDPlan(steps, "full", neighbouring=neighbouring)
-
-
-def _last_iterate_plan(epochs: int, dataset_size: int, batch_size: int, **options: Any) -> CyclicDPSGDPlan:
-    """Cyclic DP-SGD over ``epochs`` passes of ``dataset_size / batch_size`` steps."""
-    steps = epochs * (dataset_size // batch_size) if batch_size > 0 else 0  # the plan refuses batch_size <= 0
-    return CyclicDPSGDPlan(dataset_size, batch_size, steps, **options)
-
-
-_DOUBLE_SPIDER = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
-_RECURSIVE_SPIDER = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s")
-_double_arguments, _double_noise = _spider_streams(_DOUBLE_SPIDER, "N")
-_recursive_arguments, _recursive_noise = _spider_streams(_RECURSIVE_SPIDER, "b")
-_NOISE_MULTIPLIER = Argument(
-    "noise_multiplier", float, "noise std on the sum of clipped gradients, over the clip norm C"
-)
-
-_SPECS = (
-    AlgorithmSpec(
-        "dp-sgd",
-        "DP-SGD with Poisson sampling, fixed-size batches without replacement, random allocation "
-        "(balls-in-bins) or the full batch",
-        DPSGDPlan,
-        DPSGDPlan,
-        (
-            _steps(),
-            _sampling("poisson", ("poisson", "wor", "full", "random-allocation")),
-            Argument(
-                "sample_rate",
-                float,
-                "sampling rate q, 1/t for random allocation (or give --batch-size and --dataset-size)",
-            ),
-            Argument(
-                "batch_size",
-                int,
-                "batch size b: fixed for wor, expected for poisson (rate b/n) and random-allocation",
-            ),
-            Argument("dataset_size", int, "number of records n, public (with --batch-size; optional for "
-                     "poisson); under add-remove the size stated public (public_dataset_size)"),
-        ),
-        "dpvr.optim:DPSGD",
-        noise=_NOISE_MULTIPLIER,
-        layout="sampled",
-        audit_games=("dp-sgd",),
-    ),
-    AlgorithmSpec(
-        "dp-gd",
-        "DP-GD: DP-SGD on the full batch every step",
-        DPSGDPlan,
-        _dp_gd_plan,
-        (_steps(),),
-        "dpvr.optim:DPGD",
-        algorithm_options={"sampling": "full"},
-        noise=_NOISE_MULTIPLIER,
-        layout="full-batch",
-        audit_games=("dp-gd", "dp-gd-input"),
-    ),
-    AlgorithmSpec(
-        "diff2",
-        "DIFF2 with the GD routine, or the BVR-L-SGD routine when --local-steps is above 1 (record-level DP "
-        "w.r.t. each client)",
-        DIFF2Plan,
-        DIFF2Plan,
-        (
-            _dataset_size("records per client: the smallest local dataset size n_min"),
-            Argument("clients", int, "number of clients P", required=True),
-            _steps("communication rounds R"),
-            Argument(
-                "restart", int, "restart period T: rounds r with (r - 1) mod T = 0 restart", required=True
-            ),
-            Argument("local_steps", int, "BVR-L-SGD local steps K per round (1: the GD routine)", default=1),
-            Argument("local_batch", int, "BVR-L-SGD local batch b, drawn without replacement"),
-        ),
-        "dpvr.optim:DIFF2",
-        sigmas=(
-            Sigma("restart", "sigma1", "noise std over C1 on the average over clients"),
-            Sigma("difference", "sigma2", "noise std over the radius C2,r"),
-            Sigma("local", "sigma3", "BVR-L-SGD local steps: noise std over the radius C3,k,r"),
-        ),
-        paper_options=(
-            Argument("u", float, "budget split u of Proposition 4.1 (GD routine)", default=1.25),
-            Argument("u1", float, "u1 of Proposition E.2 (BVR-L-SGD)", default=3.0),
-            Argument("u2", float, "u2 of Proposition E.2 (BVR-L-SGD)", default=3.0),
-        ),
-        layout="full-batch",
-        federated=True,
-        audit_games=("diff2-gd", "diff2-bvr-l-sgd"),
-    ),
-    AlgorithmSpec(
-        "dp-sgda",
-        "DP-SGDA: noisy stochastic gradient descent-ascent (x and y streams)",
-        DPSGDAPlan,
-        DPSGDAPlan,
-        (
-            _dataset_size(),
-            _batch_size(),
-            _steps(),
-            _sampling("wor", ("wor", "poisson", "full")),
-            Argument("shared_batch", bool, "x and y draw independent batches", default=True),
-        ),
-        "dpvr.optim:DPSGDA",
-        sigmas=(
-            Sigma("x", "sigma_x", "noise std over C1 on the x-gradient batch mean"),
-            Sigma("y", "sigma_y", "noise std over C2 on the y-gradient batch mean"),
-        ),
-        layout="sampled",
-        problem="minimax",
-        audit_games=("dp-sgda",),
-    ),
-    AlgorithmSpec(
-        "private-diff",
-        "PrivateDiff Minimax (checkpoint, difference and y streams)",
-        PrivateDiffPlan,
-        PrivateDiffPlan,
-        (
-            _dataset_size(),
-            _batch_size(),
-            _steps("outer rounds R"),
-            Argument("restart", int, "checkpoint period T: rounds r with (r - 1) mod T = 0", required=True),
-            Argument("y_steps", int, "T2: ascent steps per round, or the output solver's cap", default=1),
-            _sampling("wor", ("wor", "poisson", "full")),
-            Argument(
-                "y_release",
-                str,
-                "how y is made private: ascent (noisy clipped ascent steps, as dpvr runs it) or output (the "
-                "paper's output perturbation, priced as a worst-case sensitivity)",
-                default="ascent",
-                choices=("ascent", "output"),
-            ),
-        ),
-        "dpvr.optim:PrivateDiff",
-        sigmas=(
-            Sigma("checkpoint", "sigma_x1", "noise std over C1 on the batch mean"),
-            Sigma("difference", "sigma_x2", "noise std over the radius C2,r"),
-            Sigma(
-                "y",
-                "sigma_y",
-                "ascent: noise std over C0 on the y batch mean; output: noise std over the worst-case "
-                "replace-one sensitivity of y",
-            ),
-        ),
-        layout="sampled",
-        problem="minimax",
-        audit_games=("private-diff", "private-diff-difference", "private-diff-y-output"),
-    ),
-    AlgorithmSpec(
-        "double-spider",
-        "DP Double-SPIDER for psi-divergence DRO (four streams)",
-        DoubleSpiderPlan,
-        DoubleSpiderPlan,
-        _double_arguments,
-        "dpvr.optim:DoubleSpider",
-        noise=_double_noise,
-        layout="per-stream",
-        audit_games=("double-spider", "double-spider-difference", "double-spider-eta"),
-    ),
-    AlgorithmSpec(
-        "recursive-spider",
-        "DP Recursive-SPIDER for KL-DRO (five streams)",
-        RecursiveSpiderPlan,
-        RecursiveSpiderPlan,
-        _recursive_arguments,
-        "dpvr.optim:RecursiveSpider",
-        noise=_recursive_noise,
-        layout="per-stream",
-        audit_games=(
-            "recursive-spider",
-            "recursive-spider-difference",
-            "recursive-spider-u",
-            "recursive-spider-s",
-        ),
-    ),
-    AlgorithmSpec(
-        "phased",
-        "phased output perturbation (bring your own algorithm)",
-        PhasedPlan,
-        PhasedPlan,
-        (
-            Argument(
-                "setting",
-                str,
-                "sc, c (Algorithms 1, 2), sc-sc (Algorithm 3), c-c (Algorithms 4, 5) or c-sc",
-                required=True,
-                choices=("sc", "c", "sc-sc", "c-c", "c-sc"),
-            ),
-            Argument(
-                "failure_probability",
-                float,
-                "probability that the base solver misses its accuracy target (added to delta; 0 with "
-                "certificates)",
-                default=0.0,
-            ),
-        ),
-        "dpvr.optim.phased:PhasedOutputPerturbation",
-        layout=None,  # make_private does not run it: the phases call the user's own solver
-        sigmas=(
-            Sigma("x", "sigma_x", "noise std over the replace-one sensitivity of x"),
-            Sigma("y", "sigma_y", "noise std over the replace-one sensitivity of y"),
-        ),
-        paper_options=(
-            Argument(
-                "gaussian",
-                str,
-                "the paper calibration's Gaussian mechanism: classic (the paper's, epsilon < 1) or analytic",
-                default="analytic",
-                choices=("classic", "analytic"),
-            ),
-        ),
-        audit_games=("phased",),
-    ),
-    AlgorithmSpec(
-        "last-iterate",
-        "cyclic DP-SGD releasing only its last iterate (Kong and Ribero, Theorems 2.2 and 2.3)",
-        CyclicDPSGDPlan,
-        _last_iterate_plan,
-        (
-            _dataset_size("number of records k"),
-            Argument("batch_size", int, "batch size b (must divide k)", required=True),
-            Argument("epochs", int, "passes E over the data (T = E k / b steps)", required=True),
-            Argument("lr", float, "step size lambda", required=True),
-            Argument("clip", float, "clip norm C", required=True),
-            Argument("weak_convexity", float, "weak convexity m of the losses", required=True),
-            Argument("smoothness", float, "upper smoothness M of the losses", required=True),
-            Argument("domain_diameter", float, "diameter of the domain of h", default=math.inf),
-            Argument(
-                "clipping",
-                bool,
-                "assert that no per-example gradient norm ever exceeds C (Theorem 2.3, eq. 19)",
-                default=True,
-            ),
-            Argument(
-                "bound",
-                str,
-                "last-iterate (the theorems; refuses step sizes they do not cover), composition (of the "
-                "passes) or best (the smaller)",
-                default="last-iterate",
-                choices=("last-iterate", "composition", "best"),
-            ),
-        ),
-        "dpvr.optim:DPSGD",
-        algorithm_options={"sampling": "cyclic"},
-        sigmas=(Sigma("gradient", "sigma", "noise std in parameter space"),),
-        layout="sampled",
-        audit_games=("last-iterate",),
-    ),
-)
 
 #: Every algorithm by name, in the order the command line lists them (change it through :func:`register`).
 REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -567,9 +349,6 @@ def audit_games() -> dict[str, str]:
     return {game: spec.name for spec in REGISTRY.values() for game in spec.audit_games}
 
 
-for _spec in _SPECS:
-    register(_spec)
-del _spec
 
 
 __all__ = [
@@ -581,13 +360,18 @@ __all__ = [
     "AlgorithmSpec",
     "Argument",
     "Sigma",
+    "all_reduced",
     "audit_games",
     "floats",
     "front_door",
     "get",
     "ints",
     "register",
+    "refuses",
     "registered",
+    "schema_arguments",
+    "setting",
     "shares",
+    "undeclared",
     "unregister",
 ]

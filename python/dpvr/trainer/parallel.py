@@ -124,12 +124,7 @@ from ..optim import PrivateAlgorithm, RuntimeConfig
 from ..optim.binding import canonical
 from ..optim.gradients import ClippedGradients
 from ..optim.records import CHUNK, Batch, DatasetRecords, Records, TensorRecords
-
-SUPPORTED = ("dp-sgd", "dp-gd", "last-iterate", "diff2", "dp-sgda", "private-diff", "double-spider",
-             "recursive-spider")
-# Why an algorithm is refused (the module documentation says more); every front-door one is supported.
-REFUSED: dict[str, str] = {}
-
+from ..registry import AlgorithmSpec
 
 # The collectives of a data-parallel construction, in order: each an all-gather that every process joins
 # exactly once, with its own payload or with its failure (module documentation, "Agreement").
@@ -201,29 +196,22 @@ class DataParallel:
                 if err is not failure:
                     raise
 
-    def check(self, algorithm: str, module: nn.Module, settings: Mapping[str, Any] | None = None) -> None:
+    def check(self, spec: AlgorithmSpec, module: nn.Module,
+              settings: Mapping[str, Any] | None = None) -> None:
         """Refuses (``ValueError``) what this split cannot run as one logical run: a model wrapped in
-        ``DistributedDataParallel``, an algorithm outside :data:`SUPPORTED`, and, from the algorithm's
-        ``settings`` when given, the settings of a supported one whose releases are not all-reduced."""
+        ``DistributedDataParallel``, what the algorithm itself refuses for these ``settings``
+        (:attr:`~dpvr.registry.AlgorithmSpec.data_parallel`: an algorithm registered without stating its
+        support is refused whole), and the clipping modes whose releases are not all-reduced."""
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError(
                 "module: wrapped in DistributedDataParallel, whose gradient all-reduce would run beside "
                 "dpvr's all-reduce of the clipped sums; pass the plain module (ddp_model.module): "
                 "make_private trains data-parallel over the process group itself"
             )
-        if algorithm not in SUPPORTED:
-            why = REFUSED.get(algorithm, "releases quantities that are not all-reduced here")
-            raise ValueError(
-                f"algorithm: data-parallel training over a process group supports {list(SUPPORTED)}; "
-                f"{algorithm!r} {why}: run it in one process (DIFF2 across processes: dpvr.distributed)"
-            )
         settings = settings or {}
-        if algorithm == "private-diff" and settings.get("y_release") == "output":
-            raise ValueError(
-                "y_release: 'output' is not data-parallel: its y is a certified solve of the inner problem "
-                "over every record's model output, not a sum that the processes' shares all-reduce to; use "
-                "y_release='ascent' over a process group, or run it in one process"
-            )
+        refusal = spec.data_parallel(settings)
+        if refusal is not None:
+            raise ValueError(refusal)
         if settings.get("clipping") is False:
             raise ValueError(
                 "clipping: False asserts that every per-example gradient norm of a batch is at most clip, "

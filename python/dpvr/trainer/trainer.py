@@ -234,7 +234,7 @@ def make_private(
     dtype, device = params[0].dtype, params[0].device
     parallel = DataParallel.detect(process_group)
     if parallel is not None:
-        parallel.check(algorithm, module, settings)
+        parallel.check(spec, module, settings)
     minimax = spec.problem == "minimax"
     if minimax != isinstance(criterion, MinimaxProblem):
         where = (

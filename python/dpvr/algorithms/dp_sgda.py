@@ -1,0 +1,46 @@
+"""DP-SGDA: noisy stochastic gradient descent-ascent for minimax problems (an x and a y stream).
+
+Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.privacy.DPSGDAPlan`) for every
+released x and y, both streams clipped per sample and accounted together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..privacy import DPSGDAPlan
+from ..registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
+from . import _help
+
+_SAMPLING = ("wor", "poisson", "full")
+
+
+@dataclass(frozen=True)
+class DPSGDASettings:
+    """The settings of a DP-SGDA plan."""
+
+    dataset_size: int = setting(_help.DATASET_SIZE)
+    batch_size: int = setting(_help.BATCH_SIZE)
+    steps: int = setting(_help.STEPS)
+    sampling: str = setting(_help.sampling(_SAMPLING), "wor", choices=_SAMPLING)
+    shared_batch: bool = setting("x and y draw independent batches", True)
+
+
+SPEC = register(
+    AlgorithmSpec(
+        "dp-sgda",
+        "DP-SGDA: noisy stochastic gradient descent-ascent (x and y streams)",
+        DPSGDAPlan,
+        DPSGDAPlan,
+        schema_arguments(DPSGDASettings),
+        "dpvr.optim:DPSGDA",
+        sigmas=(
+            Sigma("x", "sigma_x", "noise std over C1 on the x-gradient batch mean"),
+            Sigma("y", "sigma_y", "noise std over C2 on the y-gradient batch mean"),
+        ),
+        layout="sampled",
+        problem="minimax",
+        audit_games=("dp-sgda",),
+        data_parallel=all_reduced,
+    )
+)

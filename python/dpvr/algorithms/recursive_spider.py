@@ -1,0 +1,78 @@
+"""DP Recursive-SPIDER for KL-DRO in its compositional form (v, u and s streams), as intended rather than as
+printed (accumulated estimators, lambda projected onto [lambda0, inf), s clamped to a public floor).
+
+Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.privacy.RecursiveSpiderPlan`), the
+five streams accounted together in one accountant.
+
+Theorem defaults (DP-DRO Theorem 8; :mod:`dpvr.algorithms.theorems`): the period, the batch sizes and the
+step size (its ``T`` is :func:`~dpvr.algorithms.theorems.spider_protocol`'s; ``make_private`` asks a
+per-stream algorithm for ``steps=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..privacy import RecursiveSpiderPlan
+from ..registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
+from . import _help
+from .theorems import Derived, Public, radius, spider_batch_sizes, spider_restart
+
+STREAMS = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s")
+_SAMPLING = ("wor", "poisson")
+
+
+@dataclass(frozen=True)
+class RecursiveSpiderSettings:
+    """The settings of a Recursive-SPIDER plan."""
+
+    dataset_size: int = setting(_help.DATASET_SIZE)
+    steps: int = setting(_help.STEPS)
+    restart: int = setting("refresh period q: refreshes at the steps t with t mod q = 0")
+    batch_sizes: tuple[int, ...] = setting(
+        "b1,b2,b3,b4: the batch size of each stream in the paper's order (a batch equal to the dataset size "
+        "is the full batch)"
+    )
+    sampling: str = setting(_help.sampling(_SAMPLING), "wor", choices=_SAMPLING)
+
+
+def lr_rule(settings: Mapping[str, Any], p: Public) -> Derived:
+    """DP-DRO Theorem 8's ``eta = 1 / (2 L)``, ``L`` the v-difference radius."""
+    theorem = "DP-DRO Theorem 8, eta = 1 / (2 L)"
+    lip = radius(settings, "v-difference", theorem)
+    return Derived(1 / (2 * lip), f"{theorem}: L={lip:g} (v-difference radius): eta={1 / (2 * lip):.4g}")
+
+
+SPEC = register(
+    AlgorithmSpec(
+        "recursive-spider",
+        "DP Recursive-SPIDER for KL-DRO (five streams)",
+        RecursiveSpiderPlan,
+        RecursiveSpiderPlan,
+        schema_arguments(RecursiveSpiderSettings),
+        "dpvr.optim:RecursiveSpider",
+        noise=Argument(
+            "noise_multipliers",
+            floats,
+            f"noise multipliers, one per stream in this order: {','.join(STREAMS)}",
+        ),
+        layout="per-stream",
+        audit_games=(
+            "recursive-spider",
+            "recursive-spider-difference",
+            "recursive-spider-u",
+            "recursive-spider-s",
+        ),
+        rules={
+            "restart": spider_restart("recursive-spider"),
+            "batch_sizes": spider_batch_sizes(
+                "recursive-spider", ("v-refresh", "v-difference", "u-refresh", "u-difference"),
+                ("v-refresh", "u-refresh"),
+            ),
+            "lr": lr_rule,
+        },
+        data_parallel=all_reduced,
+    )
+)
