@@ -1,22 +1,31 @@
 """A new algorithm through the documented extension points only: its plan (a :class:`dpvr.privacy.Plan`), its
-class (a :class:`dpvr.optim.PrivateAlgorithm`) and one registry entry (:func:`dpvr.registry.register`).
+class (a :class:`dpvr.optim.PrivateAlgorithm`) and one registry entry (:func:`dpvr.registry.register`) whose
+arguments come from a settings schema, with its own theorem rules and its own statement of data-parallel
+support, as each built-in algorithm's module in :mod:`dpvr.algorithms` has.
 
-Nothing else in dpvr knows about it, yet it runs through ``make_private`` (which reads its layout from the
-entry), ``dpvr account|calibrate`` (whose flags come from the entry), ``shares="auto"`` (which reads the
-plan's error proxy) and the sensitivity harness (lockstep runs on neighbouring datasets, accounting and
-resume checks), and the harness' coverage check names it until it has a harness entry.
+Nothing else in dpvr knows about it, yet it runs through ``make_private`` (which reads its layout, its rules
+and its data-parallel support from the entry, so it gets theorem defaults and runs split over a process
+group, or is refused with the message it states), ``dpvr account|calibrate`` (whose flags come from the
+entry), ``shares="auto"`` (which reads the plan's error proxy) and the sensitivity harness (lockstep runs on
+neighbouring datasets, accounting and resume checks), and the harness' coverage check names it until it has a
+harness entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -25,6 +34,7 @@ from torch.utils.data import TensorDataset
 import dpvr
 import sensitivity as harness
 from dpvr import cli, registry
+from dpvr.algorithms.theorems import Derived, Missing, Public
 from dpvr.optim import (
     ClippedSum,
     DifferenceEstimator,
@@ -38,7 +48,8 @@ from dpvr.optim.records import Records, as_records
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import REPLACE_ONE, Accountant, Plan, Sampling, Stream, calibrate
 from dpvr.privacy.allocation import stream_dimensions
-from dpvr.registry import AlgorithmSpec, Argument, Sigma
+from dpvr.registry import AlgorithmSpec, Argument, Sigma, all_reduced, refuses, schema_arguments, setting
+from dpvr.trainer.parallel import AllReducedGradients, ShardedRecords
 from test_sensitivity import dpsgd_configs  # DP-SGD's generated configurations fit the toy's keywords
 
 NAME = "toy-momentum-sgd"
@@ -160,21 +171,55 @@ class MomentumSGD(PrivateAlgorithm):
 
 
 # ---- 3. the registry entry --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MomentumSettings:
+    """The toy plan's settings: one schema, from which the entry's arguments (and so its flags) come."""
+
+    dataset_size: int = setting("number of records n")
+    batch_size: int = setting("batch size b, drawn without replacement")
+    steps: int = setting("number of steps T")
+    sampling: str = setting("batch sampling: wor", "wor", choices=("wor",))
+
+
+def toy_lr(settings: Mapping[str, Any], p: Public) -> Derived | None:
+    """The toy's "theorem": ``eta = 1 / (C sqrt(d))``, from the clip radius and the model's size only."""
+    clip = settings.get("clip")
+    if not isinstance(clip, (int, float)) or not clip > 0:
+        raise Missing("the toy theorem, eta = 1 / (C sqrt(d))) needs clip > 0")
+    return Derived(1 / (clip * math.sqrt(p.dimension)), f"toy theorem: C={clip:g}, d={p.dimension}")
+
+
+def toy_steps(settings: Mapping[str, Any], p: Public) -> Derived:
+    """The toy's run length ``R = ceil(n epsilon / 4)``: public sizes and the budget only."""
+    return Derived(math.ceil(p.n * p.epsilon / 4), f"toy theorem: n={p.n}, epsilon={p.epsilon:g}")
+
+
 SPEC = AlgorithmSpec(
     NAME,
     "toy: DP-SGD with heavy-ball momentum on fixed-size batches",
     MomentumPlan,
     MomentumPlan,
-    (
+    schema_arguments(MomentumSettings),
+    f"{__name__}:MomentumSGD",
+    sigmas=(Sigma("gradient", "sigma", "noise std over C on the batch mean"),),
+    layout="sampled",
+    rules={"lr": toy_lr},
+    steps_rule=toy_steps,
+    # Every release is a clipped sum of the drawn batch (self.gradients.sum), which the split all-reduces.
+    data_parallel=all_reduced,
+)
+#: The same toy, stating nothing about data parallelism (refused whole), or refusing in its own words.
+SILENT = dataclasses.replace(SPEC, data_parallel=registry.undeclared)
+REFUSING = dataclasses.replace(SPEC, data_parallel=refuses("keeps a momentum per process"))
+
+
+def test_the_toys_arguments_come_from_its_schema():
+    assert SPEC.arguments == (
         Argument("dataset_size", int, "number of records n", required=True),
         Argument("batch_size", int, "batch size b, drawn without replacement", required=True),
         Argument("steps", int, "number of steps T", required=True),
         Argument("sampling", str, "batch sampling: wor", default="wor", choices=("wor",)),
-    ),
-    f"{__name__}:MomentumSGD",
-    sigmas=(Sigma("gradient", "sigma", "noise std over C on the batch mean"),),
-    layout="sampled",
-)
+    )
 
 
 @pytest.fixture
@@ -226,6 +271,84 @@ def test_make_private_runs_the_toy(toy):
         dpvr.make_private(
             model, _squared, TensorDataset(x, y), algorithm=NAME, epsilon=1.0, steps=2, lr=0.1, clip=1.0
         )
+
+
+def _toy_trainer(**options: Any) -> dpvr.PrivateTrainer:
+    x, y = harness.REGRESSION.records(40, torch.Generator().manual_seed(0))
+    arguments = {"epsilon": 1.0, "batch_size": 8, "clip": 1.0, "momentum": 0.9, **options}
+    return dpvr.make_private(harness.REGRESSION.model(True), _squared, TensorDataset(x, y), algorithm=NAME,
+                             **arguments)
+
+
+def test_the_toy_gets_its_theorem_defaults(toy):
+    """lr and the run's length come from the toy's own rules, as DIFF2's do from its module's."""
+    trainer = _toy_trainer()
+    d = sum(p.numel() for p in trainer.model.parameters())
+    assert d == 4 and set(trainer.derived) == {"lr", "steps"}
+    assert trainer.algorithm.lr == 0.5 and trainer.derived["lr"].value == 0.5  # 1 / (1 * sqrt(4))
+    assert trainer.total_steps == 10 and trainer.algorithm.plan == MomentumPlan(40, 8, 10)  # ceil(40 * 1 / 4)
+    given = _toy_trainer(lr=0.05, epochs=1)  # given settings are not derived
+    assert given.algorithm.lr == 0.05 and given.total_steps == 5 and not given.derived
+    expected = r"make_private\('toy-momentum-sgd'\): lr: not given, and its default \(the toy theorem"
+    with pytest.raises(ValueError, match=expected):
+        _toy_trainer(clip={"gradient": 1.0}, steps=2)
+
+
+def _toy_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        with registry.registered(SPEC):
+            trainer = _toy_trainer(steps=6, lr=0.1, runtime=_toy_runtime())
+            split = (isinstance(trainer.algorithm.gradients, AllReducedGradients)
+                     and isinstance(trainer.algorithm.records, ShardedRecords))
+            infos = trainer.run()
+        refusals = []
+        for spec in (SILENT, REFUSING):
+            with registry.registered(spec):
+                try:
+                    _toy_trainer(steps=6, lr=0.1)
+                except ValueError as err:
+                    refusals.append(str(err))
+        torch.save({"params": [p.detach().clone() for p in trainer.model.parameters()], "split": split,
+                    "infos": infos,
+                    "epsilon": trainer.privacy_spent().epsilon, "refusals": refusals}, f"{out}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _toy_runtime() -> RuntimeConfig:
+    return RuntimeConfig(sampler_seed=5, generator=dpvr.NoiseGenerator(7, reproducible=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two processes
+def test_the_toy_runs_data_parallel_or_is_refused_as_it_states(toy, tmp_path):
+    """Two processes run the toy as one logical run (its entry states that every release is all-reduced): each
+    loads its half of each batch and the clipped sums are all-reduced, the same model on both, at the
+    one-process run's epsilon. Without that statement it is refused whole; with a refusal of its own, in
+    its own words."""
+    out = str(tmp_path / "rank")
+    mp.spawn(_toy_rank, args=(2, _free_port(), out), nprocs=2)
+    ranks = [torch.load(f"{out}-{r}.pt") for r in range(2)]
+    alone = _toy_trainer(steps=6, lr=0.1, runtime=_toy_runtime())
+    alone_infos = alone.run()
+    start = harness.REGRESSION.model(True).parameters()
+    assert ranks[0]["split"] and ranks[1]["split"]
+    for p0, p1, p in zip(ranks[0]["params"], ranks[1]["params"], start):
+        assert torch.equal(p0, p1) and not torch.equal(p0, p.detach())
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == alone.privacy_spent().epsilon
+    for r in ranks:  # the toy reports the records it loaded: each rank its half of the one-process batch
+        assert [i["batch"] for i in r["infos"]] == [4] * 6 and [i["batch"] for i in alone_infos] == [8] * 6
+    for r in ranks:
+        silent, refusing = r["refusals"]
+        assert "does not state that its releases are all-reduced (AlgorithmSpec.data_parallel)" in silent
+        assert "it keeps a momentum per process; run it in one process" in refusing
 
 
 def _json(capsys, argv: list[str]) -> dict:
