@@ -41,6 +41,7 @@ radius, and the release's sensitivity bound holds, whichever form is chosen.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -132,16 +133,22 @@ def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates |
 
 # ---- calibration ----
 
-def machine_key() -> str:
-    """What the rates depend on: the CPU model, torch's thread count, the torch and dpvr versions."""
+@functools.lru_cache(maxsize=1)
+def _fixed_key() -> tuple[str, str]:
+    """The CPU model and the dpvr version, read once per process (every layer's choice asks for the key)."""
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
         for line in f:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return (f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-            f"|dpvr={metadata.version('dpvr')}")
+    return model, metadata.version("dpvr")
+
+
+def machine_key() -> str:
+    """What the rates depend on: the CPU model, torch's thread count, the torch and dpvr versions."""
+    model, version = _fixed_key()
+    return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|dpvr={version}"
 
 
 def cache_path() -> Path:
