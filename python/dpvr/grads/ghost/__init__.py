@@ -14,12 +14,13 @@ of activations and output gradients, table rows, or materialised vectors (:mod:`
 
 - ghost rules (:mod:`.linear`: ``Linear``, ``Conv1d/2d/3d``; :mod:`.embedding`: ``Embedding``,
   ``EmbeddingBag``; :mod:`.normalization`: ``LayerNorm``, ``GroupNorm``, ``RMSNorm``) form no per-sample
-  gradient of a weight matrix: its norm comes from the Gram or the direct form (the cheaper one per layer)
-  and its clipped sum is a matmul of the recorded tensors (a Linear weight's is ``G^T diag(c) A``; a
-  convolution's is its own weight gradient of the scaled output gradients). A layer applied at several
-  steps whose per-sample matrix is no larger than its recorded tensors (the convolutions and sequence
-  Linears of small models) has that matrix formed in one batched product instead (a convolution's as its
-  weight gradient per sample), which then serves both the norm and the clipped sum;
+  gradient of a weight matrix: its norm comes from the Gram or the direct form and its clipped sum is a
+  matmul of the recorded tensors (a Linear weight's is ``G^T diag(c) A``; a convolution's is its own weight
+  gradient of the scaled output gradients). A layer applied at several steps may have that matrix formed
+  in one batched product instead (a convolution's as its weight gradient per sample), which then serves
+  both the norm and the clipped sum. On the host the form is the one predicted fastest from the layer's
+  shapes and this machine's measured rates, under a memory budget (:mod:`.cost`); off the host, the matrix
+  is formed where it is no larger than its recorded tensors;
 - every other module with trainable parameters of its own is a *fallback* layer (:mod:`.fallback`): the
   per-sample gradients of its own parameters are materialised from its recorded inputs and output gradients
   (``torch.func.vjp`` of that module alone; no second pass through the model). ``MultiheadAttention``
