@@ -240,3 +240,22 @@ def test_the_budget_bounds_all_materialised_parts_together(monkeypatch) -> None:
     assert (got.norms.double() >= norms * (1 - 1e-6)).all()
     for s, r in zip(got.sums, sums):
         torch.testing.assert_close(s.double(), r, rtol=1e-4, atol=1e-6)
+
+
+def test_ghost_norms_takes_a_form_per_outer_term() -> None:
+    from dpvr import ops
+
+    g = torch.Generator().manual_seed(7)
+    a = (torch.randn(4, 6, 3, generator=g), torch.randn(4, 6, 5, generator=g))
+    b = (torch.randn(4, 2, 7, generator=g), torch.randn(4, 2, 2, generator=g))
+    exact = sum(torch.einsum("btq,btp->bqp", n.double(), m.double()).pow(2).sum(dim=(1, 2))
+                for m, n in (a, b))
+    for forms in (["gram", "direct"], ["direct", "gram"], ("auto", "auto")):
+        out = torch.empty(4, dtype=torch.float64)
+        ops.ghost_norms(out, outer=[[a], [b]], form=forms)
+        assert (out >= exact).all()
+        torch.testing.assert_close(out, exact, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="form: 1 forms given for 2 outer terms"):
+        ops.ghost_norms(torch.empty(4, dtype=torch.float64), outer=[[a], [b]], form=["gram"])
+    with pytest.raises(ValueError, match="form: must be one of"):
+        ops.ghost_norms(torch.empty(4, dtype=torch.float64), outer=[[a], [b]], form=["gram", "fast"])
