@@ -18,7 +18,7 @@ from typing import Any
 from ..privacy import DoubleSpiderPlan
 from ..registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
 from . import _help
-from .theorems import Derived, Public, radius, spider_batch_sizes, spider_restart
+from .theorems import Derived, Public, noise_constant, radius, spider_batch_sizes, spider_period_theorem7
 
 STREAMS = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
 _SAMPLING = ("wor", "poisson")
@@ -36,6 +36,16 @@ class DoubleSpiderSettings:
         "is the full batch)"
     )
     sampling: str = setting(_help.sampling(_SAMPLING), "wor", choices=_SAMPLING)
+
+
+def restart_rule(settings: Mapping[str, Any], p: Public) -> Derived:
+    """DP-DRO Theorem 7's period ``q = (n / sqrt(k c d))^(2/3)``, ``log(1/delta) / eps^2`` read as ``k c``
+    (``k = 4``: the streams share the budget equally)."""
+    k, c = len(STREAMS), noise_constant(p.epsilon, p.delta)
+    value = min(p.steps, spider_period_theorem7(p.n, p.dimension, c, k))
+    return Derived(value, f"DP-DRO Theorem 7, q = (n / sqrt(k c d))^(2/3), log(1/delta)/eps^2 read "
+                          f"as k c: n={p.n}, d={p.dimension}, k={k}, epsilon={p.epsilon:g}, "
+                          f"delta={p.delta:g}, c={c:.4g}: q={value}")
 
 
 def lr_eta_rule(settings: Mapping[str, Any], p: Public) -> Derived:
@@ -63,8 +73,8 @@ SPEC = register(
         layout="per-stream",
         audit_games=("double-spider", "double-spider-difference", "double-spider-eta"),
         rules={
-            "restart": spider_restart("double-spider"),
-            "batch_sizes": spider_batch_sizes("double-spider", STREAMS, ("eta-refresh", "x-refresh")),
+            "restart": restart_rule,
+            "batch_sizes": spider_batch_sizes(len(STREAMS), STREAMS, ("eta-refresh", "x-refresh")),
             "lr_eta": lr_eta_rule,
         },
         data_parallel=all_reduced,

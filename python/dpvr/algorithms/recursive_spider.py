@@ -11,6 +11,7 @@ per-stream algorithm for ``steps=``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from ..privacy import RecursiveSpiderPlan
 from ..registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
 from . import _help
-from .theorems import Derived, Public, radius, spider_batch_sizes, spider_restart
+from .theorems import Derived, Public, noise_constant, radius, spider_batch_sizes
 
 STREAMS = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s")
 _SAMPLING = ("wor", "poisson")
@@ -36,6 +37,17 @@ class RecursiveSpiderSettings:
         "is the full batch)"
     )
     sampling: str = setting(_help.sampling(_SAMPLING), "wor", choices=_SAMPLING)
+
+
+def restart_rule(settings: Mapping[str, Any], p: Public) -> Derived:
+    """DP-DRO Theorem 8's period ``q = floor(n^2 / (L^2 R d k c))`` (``L`` the v-difference radius),
+    ``log(1/delta) / eps^2`` read as ``k c`` (``k = 5``: the streams share the budget equally)."""
+    k, c = len(STREAMS), noise_constant(p.epsilon, p.delta)
+    theorem = "DP-DRO Theorem 8, q = floor(n^2 / (L^2 R d k c))"
+    lip = radius(settings, "v-difference", theorem)
+    value = int(min(p.steps, max(1, math.floor(p.n**2 / (lip**2 * p.steps * p.dimension * k * c)))))
+    return Derived(value, f"{theorem}, log(1/delta)/eps^2 read as k c: L={lip:g} (v-difference radius), "
+                          f"n={p.n}, R={p.steps}, d={p.dimension}, k={k}, c={c:.4g}: q={value}")
 
 
 def lr_rule(settings: Mapping[str, Any], p: Public) -> Derived:
@@ -66,9 +78,9 @@ SPEC = register(
             "recursive-spider-s",
         ),
         rules={
-            "restart": spider_restart("recursive-spider"),
+            "restart": restart_rule,
             "batch_sizes": spider_batch_sizes(
-                "recursive-spider", ("v-refresh", "v-difference", "u-refresh", "u-difference"),
+                len(STREAMS), ("v-refresh", "v-difference", "u-refresh", "u-difference"),
                 ("v-refresh", "u-refresh"),
             ),
             "lr": lr_rule,

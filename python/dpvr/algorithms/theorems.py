@@ -296,9 +296,6 @@ def dpsgda_protocol(n: int, dimension: int, epsilon: float, delta: float, lipsch
     return Protocol(rounds, 1, lr, 0.0, bound, c, lr_y=1.0 / cross)
 
 
-SPIDER_STREAMS = {"double-spider": 4, "recursive-spider": 5}  # streams sharing the budget equally
-
-
 def spider_period_theorem7(n: int, dimension: int, c: float, streams: int = 4) -> int:
     """DP-DRO Theorem 7's ``q = (N / sqrt(k c d))^(2/3)`` (``log(1/delta) / eps^2`` read as ``k c``), at least
     1."""
@@ -351,33 +348,11 @@ def difference_multiplier(settings: Mapping[str, Any], p: Public, restart: int, 
     return shares(p.steps, restart, c)[1], f"{rule}, c={c:.4g}"
 
 
-def spider_restart(algorithm: str):
-    """The SPIDER's period ``q``: DP-DRO Theorem 7's ``(n / sqrt(k c d))^(2/3)`` for Double-SPIDER, Theorem
-    8's ``floor(n^2 / (L^2 R d k c))`` for Recursive-SPIDER (``L`` its v-difference radius), ``log(1/delta)
-    / eps^2`` read as ``k c`` (:data:`SPIDER_STREAMS`)."""
-    k = SPIDER_STREAMS[algorithm]
-
-    def rule(settings: Mapping[str, Any], p: Public) -> Derived:
-        c = noise_constant(p.epsilon, p.delta)
-        if algorithm == "double-spider":
-            value = min(p.steps, spider_period_theorem7(p.n, p.dimension, c, k))
-            return Derived(value, f"DP-DRO Theorem 7, q = (n / sqrt(k c d))^(2/3), log(1/delta)/eps^2 read "
-                                  f"as k c: n={p.n}, d={p.dimension}, k={k}, epsilon={p.epsilon:g}, "
-                                  f"delta={p.delta:g}, c={c:.4g}: q={value}")
-        theorem = "DP-DRO Theorem 8, q = floor(n^2 / (L^2 R d k c))"
-        lip = radius(settings, "v-difference", theorem)
-        value = int(min(p.steps, max(1, math.floor(p.n**2 / (lip**2 * p.steps * p.dimension * k * c)))))
-        return Derived(value, f"{theorem}, log(1/delta)/eps^2 read as k c: L={lip:g} (v-difference radius), "
-                              f"n={p.n}, R={p.steps}, d={p.dimension}, k={k}, c={c:.4g}: q={value}")
-
-    return rule
-
-
-def spider_batch_sizes(algorithm: str, streams: tuple[str, ...], refresh: tuple[str, ...]):
+def spider_batch_sizes(k: int, streams: tuple[str, ...], refresh: tuple[str, ...]):
     """DP-DRO, Theorem 8: a full batch on the refresh streams (``b1 = n``) and on the difference streams
     ``b2 = max((G n / sqrt(Psi0 L d k c))^(2/3), (G n d k c)^(1/3) / (L Psi0)^(1/6))`` (``log(1/delta) /
-    eps^2`` read as ``k c``), capped at ``n``, with ``G``, ``L`` the refresh and difference radii."""
-    k = SPIDER_STREAMS[algorithm]
+    eps^2`` read as ``k c``, ``k`` the algorithm's streams sharing the budget equally), capped at ``n``,
+    with ``G``, ``L`` the refresh and difference radii."""
 
     def rule(settings: Mapping[str, Any], p: Public) -> Derived:
         theorem = ("DP-DRO Theorem 8, b1 = n, b2 = max((G n / sqrt(L d k c))^(2/3), "

@@ -17,7 +17,6 @@ from typing import Any
 
 from .. import registry
 from ..algorithms.theorems import (
-    SPIDER_STREAMS,
     Derived,
     Missing,
     Protocol,
@@ -99,7 +98,6 @@ def derive_steps(algorithm: str, settings: Mapping[str, Any], public: Public) ->
 
 
 __all__ = [
-    "SPIDER_STREAMS",
     "Derived",
     "Protocol",
     "Public",
