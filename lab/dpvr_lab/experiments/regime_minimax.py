@@ -30,9 +30,9 @@ Methods, at their theorems' protocols (:mod:`dpvr.trainer.defaults`), full batch
   ``R`` to the target ``(eps, delta)`` and ``T`` re-derived for it; the point with the lowest median on two
   held-out tuning seeds (instances 1000, 1001, never the evaluation seeds) is kept. This is a public grid on
   held-out instances of the same synthetic family, not a private selection: no evaluation record is read
-  to choose, so the choice costs no privacy and the reported epsilon is the one run's. The earlier
-  multiplier tuning (``eta k`` with ``R / k`` rounds, ``eta R`` fixed) could not help DP-SGDA, whose
-  theorem step sets ``eta R`` far below what the problem needs; it is :func:`schedule`'s ``multiplier``.
+  to choose, so the choice costs no privacy and the reported epsilon is the one run's. (An earlier tuning
+  kept ``eta R`` fixed, ``eta k`` with ``R / k`` rounds, and so could not help DP-SGDA, whose theorem step
+  sets ``eta R`` far below what the problem needs.)
 
 Noise multipliers come from dpvr's own calibration of each run's plan (``PrivateDiffPlan`` with
 ``y_release="output"``, ``DPSGDAPlan``, full batches, PLD, replace-one); the updates are exact replicas of
@@ -76,7 +76,6 @@ TOLERANCE = 0.01  # the solver's default tolerance, as a fraction of 1 / (n mu)
 METHODS = ("PrivateDiff", "DP-SGDA")
 SIZES = regime.SIZES
 QUICK_SIZES = (4_000, 16_000, 64_000)
-GRID = (1.0, 4.0, 16.0, 64.0)  # step multipliers of schedule() (DP-SGDA's theorem step is 1/288)
 LR_GRID = (1 / 288, 1 / 72, 1 / 18, 1 / 6)  # the fair tuning's x-steps: 1/(16 (kappa+1)^2 l) to 1/L
 ROUND_FRACTIONS = (1 / 16, 1 / 4, 1.0)  # the fair tuning's rounds, as fractions of the theorem's R
 QUICK_LR_GRID = (1 / 288, 1 / 18)
@@ -162,22 +161,12 @@ def run_private_diff(problem: MinimaxPlanted, n: int, rounds: int, restart: int,
     return x, capped
 
 
-def schedule(method: str, n: int, dimension: int, epsilon: float, gap: float,
-             multiplier: float = 1.0) -> Protocol:
-    """The theorem's protocol of ``method`` at this problem's constants, its x-step multiplied by
-    ``multiplier`` with ``R / multiplier`` rounds (the same ``eta R``; ``T`` re-derived for those rounds, the
-    y-step kept)."""
+def schedule(method: str, n: int, dimension: int, epsilon: float, gap: float) -> Protocol:
+    """The theorem's protocol of ``method`` at this problem's constants."""
     if method == "DP-SGDA":
-        base = dpsgda_protocol(n, dimension, epsilon, DELTA, max(G_PHI, Y_CLIP), CROSS, MU, gap, 1.0)
-    else:
-        base = private_diff_protocol(n, dimension, epsilon, DELTA, G_PHI, SMOOTH, gap, cross=G_PHI,
-                                     strong_concavity=MU, y_range=Y_RANGE, y_dim=1)
-    if multiplier == 1.0:
-        return base
-    rounds = max(1, math.ceil(base.rounds / multiplier))
-    restart = 1 if method == "DP-SGDA" else restart_period(base.tau, rounds)
-    return Protocol(rounds, restart, base.lr * multiplier, base.tau, base.bound, base.noise_constant,
-                    base.lr_y)
+        return dpsgda_protocol(n, dimension, epsilon, DELTA, max(G_PHI, Y_CLIP), CROSS, MU, gap, 1.0)
+    return private_diff_protocol(n, dimension, epsilon, DELTA, G_PHI, SMOOTH, gap, cross=G_PHI,
+                                 strong_concavity=MU, y_range=Y_RANGE, y_dim=1)
 
 
 def fair_grid(method: str, n: int, dimension: int, epsilon: float, gap: float, lrs=LR_GRID,
