@@ -252,3 +252,26 @@ def test_cyclic_composition_accounting_counts_the_passes_started():
         one_pass = alg.plan.step("gradient", {"gradient": 4.0})[1]
         direct.record("gradient", dpa.SelfComposedDpEvent(one_pass, passes))  # as the run records it
         assert alg.privacy_spent().epsilon == pytest.approx(direct.epsilon(1e-5), rel=1e-12)
+
+
+def test_cyclic_sampling_constructs_the_last_iterate_subclass():
+    """The last-iterate variant is a subclass chosen at construction (not a flag): DPSGD(sampling="cyclic")
+    is a LastIterateDPSGD, the other schemes and DPGD are not, and neither class runs the other's scheme."""
+    from dpvr.optim import LastIterateDPSGD
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 3, generator=g), torch.randn(20, generator=g)
+    common = dict(lr=0.05, clip=1.0, steps=4, batch_size=5, noise=1.0)
+
+    def loss(o, t):
+        return 0.5 * (o.squeeze(-1) - t) ** 2
+
+    cyclic = DPSGD(torch.nn.Linear(3, 1), loss, x, y, sampling="cyclic", weak_convexity=1.0, smoothness=1.0,
+                   **common)
+    assert type(cyclic) is LastIterateDPSGD and cyclic.last_iterate_only and cyclic.name == "DP-SGD"
+    direct = LastIterateDPSGD(torch.nn.Linear(3, 1), loss, x, y, weak_convexity=1.0, smoothness=1.0, **common)
+    assert direct.binding(data=False) == cyclic.binding(data=False)  # the same run, the same binding
+    sampled = DPSGD(torch.nn.Linear(3, 1), loss, x, y, sampling="wor", **common)
+    assert type(sampled) is DPSGD and not sampled.last_iterate_only
+    with pytest.raises(ValueError, match="sampling: LastIterateDPSGD runs sampling='cyclic' only, got 'wor'"):
+        LastIterateDPSGD(torch.nn.Linear(3, 1), loss, x, y, sampling="wor", **common)

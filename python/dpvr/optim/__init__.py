@@ -3,7 +3,7 @@
 from .base import BudgetExhaustedError, PrivateAlgorithm
 from .config import PrivacyConfig, RuntimeConfig
 from .diff2 import DIFF2
-from .dpsgd import DPGD, DPSGD
+from .dpsgd import DPGD, DPSGD, LastIterateDPSGD
 from .estimator import ClippedSum, DifferenceEstimator, DivergedError, Iterate, Radius
 from .gradients import check_loss
 from .minimax import DPSGDA, MinimaxAlgorithm, PrivateDiff
@@ -17,6 +17,7 @@ __all__ = [
     "DPGD",
     "DPSGD",
     "DPSGDA",
+    "LastIterateDPSGD",
     "L1",
     "BudgetExhaustedError",
     "CertificateError",

@@ -149,6 +149,8 @@ class DPSGD(PrivateAlgorithm):
     """
 
     name = "DP-SGD"
+    #: Whether only the last iterate is released (:class:`LastIterateDPSGD`, chosen by ``sampling="cyclic"``).
+    last_iterate_only = False
 
     def __init__(
         self,
@@ -176,6 +178,12 @@ class DPSGD(PrivateAlgorithm):
         runtime: RuntimeConfig = RuntimeConfig(),
         settings: Mapping[str, Any] | None = None,
     ) -> None:
+        if type(self) is DPSGD and sampling == "cyclic":
+            # The variant is a subclass chosen at construction, before any state is set: DPSGD(...,
+            # sampling="cyclic") is the last-iterate algorithm, whose accounting and resumption are its own
+            # methods rather than a flag read throughout. (Not in __new__: the signature users and
+            # make_private read would then be __new__'s.)
+            self.__class__ = LastIterateDPSGD
         if settings is None:  # what the binding records: every argument above but the model, loss and data
             settings = dict(
                 lr=lr, clip=clip, steps=steps, batch_size=batch_size, sampling=sampling, noise=noise,
@@ -196,7 +204,8 @@ class DPSGD(PrivateAlgorithm):
         neighbouring, public = privacy.relation_and_size(
             n, default=events.DPSGDPlan.default_neighbouring(sampling), sampling=sampling
         )
-        self.last_iterate_only = sampling == "cyclic"
+        if self.last_iterate_only != (sampling == "cyclic"):
+            raise ValueError(f"sampling: {type(self).__name__} runs sampling='cyclic' only, got {sampling!r}")
         if self.last_iterate_only:
             if neighbouring != "replace-one":
                 raise ValueError("sampling='cyclic': the last-iterate bound is proved under replace-one only")
@@ -317,9 +326,36 @@ class DPSGD(PrivateAlgorithm):
             info["move"] = self.x.move
         return info
 
+    def _extra_state(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"sampler": self.sampler.state_dict()}
+        if self.adaptive is not None:  # the radius in force: a function of the counts released so far
+            extra["clip_radius"] = self.adaptive.radius
+        return extra
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if self.adaptive is not None:
+            self.adaptive.radius = self.clip = float(state["clip_radius"])
+
+
+class LastIterateDPSGD(DPSGD):
+    """Last-iterate DP-SGD (Kong & Ribero, Algorithm 1): :class:`DPSGD` with ``sampling="cyclic"``, which
+    constructs it (``DPSGD(..., sampling="cyclic")`` is an instance of this class). Its arguments are
+    :class:`DPSGD`'s; only ``sampling="cyclic"`` (the default here) is taken.
+
+    Guarantee:
+        Only the last iterate is released, accounted by the last-iterate bound chosen by ``bound`` (Theorem
+        2.3 or 2.2, or the composition of the passes), under replace-one; a step is admitted only if the
+        bound of the trajectory so far, one step longer, stays within the budget, and a resumption that would
+        release a second trajectory from a checkpoint is refused (unless ``bound="composition"``).
+    """
+
+    last_iterate_only = True
+
+    def __init__(self, *args: Any, sampling: str = "cyclic", **kwargs: Any) -> None:
+        super().__init__(*args, sampling=sampling, **kwargs)
+
     def _admit(self, stream: str) -> tuple[Any, Any]:
-        if not self.last_iterate_only:
-            return super()._admit(stream)
         # The bound covers this trajectory so far (the last-iterate bound, or the passes started): price it
         # with one more step, replacing what this segment recorded (an earlier branch's release, charged on
         # resume under its own segment, stays).
@@ -341,7 +377,7 @@ class DPSGD(PrivateAlgorithm):
         return admitted
 
     def _check_rerun(self, after: list[Release]) -> None:
-        if self.last_iterate_only and after and self.plan.bound != "composition":
+        if after and self.plan.bound != "composition":
             raise ValueError(
                 f"{self.name}: this run released its last iterate after the checkpoint being loaded; going "
                 "on from it would release a second trajectory sharing the first one's start, which the "
@@ -350,20 +386,7 @@ class DPSGD(PrivateAlgorithm):
             )
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
-        if not self.last_iterate_only:
-            return super()._record(admitted)
         self.guard.record(*admitted, replace=True)
-
-    def _extra_state(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"sampler": self.sampler.state_dict()}
-        if self.adaptive is not None:  # the radius in force: a function of the counts released so far
-            extra["clip_radius"] = self.adaptive.radius
-        return extra
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        if self.adaptive is not None:
-            self.adaptive.radius = self.clip = float(state["clip_radius"])
 
 
 class DPGD(DPSGD):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .. import registry
-from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
+from ..optim import LastIterateDPSGD, PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from ..optim.guard import EveryStream
 from ..optim.sampling import steps_per_epoch
 from ..privacy import PrivacyReport
@@ -489,7 +489,7 @@ class PrivateTrainer:
     @property
     def last_iterate_only(self) -> bool:
         """Whether the algorithm releases only its last iterate (the last-iterate bound)."""
-        return bool(getattr(self.algorithm, "last_iterate_only", False))
+        return isinstance(self.algorithm, LastIterateDPSGD)
 
     @property
     def released(self) -> bool:
