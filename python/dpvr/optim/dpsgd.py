@@ -279,14 +279,13 @@ class DPSGD(PrivateAlgorithm):
     def _step(self) -> dict[str, float]:
         admitted = self._admit("gradient")
         inputs, targets = self.records.draw(self.sampler)
-        for s in self._sum:
-            s.zero_()
         # Per-record norms and losses in the parameters' dtype (the sum alone is float64).
         norms = self.flat[0].new_empty(len(inputs)) if self.policy in ("none", "adaptive") else None
         # The batch's mean loss, from the pass that clipped it (not under the last-iterate bound: it is read
         # at an intermediate iterate).
         losses = None if self.last_iterate_only else self.flat[0].new_empty(len(inputs))
-        dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms, losses=losses)
+        dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms, losses=losses,
+                                     replace=True)
         if self.policy == "none" and not bool((norms <= self.clip).all()):
             raise RuntimeError(
                 f"{self.name}: clipping=False asserted per-example gradient norms <= {self.clip:g}, but a "

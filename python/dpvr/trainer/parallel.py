@@ -429,11 +429,13 @@ class AllReducedGradients:
 
     def sum(self, inputs: torch.Tensor, targets: torch.Tensor, clip: float, out: Sequence[torch.Tensor],
             point: Sequence[torch.Tensor] | None = None, norms: torch.Tensor | None = None,
-            weights: torch.Tensor | None = None, losses: torch.Tensor | None = None) -> int:
+            weights: torch.Tensor | None = None, losses: torch.Tensor | None = None, *,
+            replace: bool = False) -> int:
         if norms is not None:
             raise ValueError("norms: not gathered across processes (clipping=False is not data-parallel)")
         return self._reduce(out, lambda scratch: self.engine.sum(inputs, targets, clip, scratch, point=point,
-                                                                 weights=weights, losses=losses))
+                                                                 weights=weights, losses=losses),
+                            replace=replace)
 
     def diff_sum(self, inputs: torch.Tensor, targets: torch.Tensor, point: Sequence[torch.Tensor],
                  previous: Sequence[torch.Tensor], clip: float, out: Sequence[torch.Tensor],
@@ -457,9 +459,10 @@ class AllReducedGradients:
         return self._reduce(out, lambda scratch: self.engine.clamped_diff_sum(now, before, low, high, scratch,
                                                                               weight=weight))
 
-    def _reduce(self, out: Sequence[torch.Tensor], local: Any) -> int:
+    def _reduce(self, out: Sequence[torch.Tensor], local: Any, *, replace: bool = False) -> int:
         """``local(scratch)`` (this process's sum into zeroed ``scratch``, returning its non-finite count),
-        all-reduced and added to ``out``; the whole batch's non-finite count.
+        all-reduced and added to ``out`` (written there, with ``replace``); the whole batch's non-finite
+        count.
 
         ``scratch`` and the all-reduce are float64 whatever ``out``'s dtype: a float32 all-reduce would round
         the batch's sum at its own magnitude (one record could then move it by more than its clip radius);
@@ -482,6 +485,10 @@ class AllReducedGradients:
                                      "non-finite values (nonfinite='raise')")
         start = 0
         for o in out:
-            o.add_(flat[start : start + o.numel()].view_as(o))
+            whole = flat[start : start + o.numel()].view_as(o)
+            if replace:
+                o.copy_(whole)
+            else:
+                o.add_(whole)
             start += o.numel()
         return int(flat[-2])
