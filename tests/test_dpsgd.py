@@ -275,3 +275,15 @@ def test_cyclic_sampling_constructs_the_last_iterate_subclass():
     assert type(sampled) is DPSGD and not sampled.last_iterate_only
     with pytest.raises(ValueError, match="sampling: LastIterateDPSGD runs sampling='cyclic' only, got 'wor'"):
         LastIterateDPSGD(torch.nn.Linear(3, 1), loss, x, y, sampling="wor", **common)
+
+    class Mine(DPSGD):  # a user's subclass keeps its own methods ahead of the variant's
+        def _extra_state(self):
+            return {**super()._extra_state(), "mine": True}
+
+    own = Mine(torch.nn.Linear(3, 1), loss, x, y, sampling="cyclic", weak_convexity=1.0, smoothness=1.0,
+               **common)
+    assert isinstance(own, Mine) and isinstance(own, LastIterateDPSGD) and type(own).__name__ == "Mine"
+    again = Mine(torch.nn.Linear(3, 1), loss, x, y, sampling="cyclic", weak_convexity=1.0, smoothness=1.0,
+                 **common)
+    assert own._extra_state()["mine"] and type(own) is type(again)  # made once per class
+    assert type(Mine(torch.nn.Linear(3, 1), loss, x, y, sampling="wor", **common)) is Mine

@@ -178,12 +178,12 @@ class DPSGD(PrivateAlgorithm):
         runtime: RuntimeConfig = RuntimeConfig(),
         settings: Mapping[str, Any] | None = None,
     ) -> None:
-        if type(self) is DPSGD and sampling == "cyclic":
+        if sampling == "cyclic" and not self.last_iterate_only:
             # The variant is a subclass chosen at construction, before any state is set: DPSGD(...,
             # sampling="cyclic") is the last-iterate algorithm, whose accounting and resumption are its own
             # methods rather than a flag read throughout. (Not in __new__: the signature users and
             # make_private read would then be __new__'s.)
-            self.__class__ = LastIterateDPSGD
+            self.__class__ = _last_iterate_class(type(self))
         if settings is None:  # what the binding records: every argument above but the model, loss and data
             settings = dict(
                 lr=lr, clip=clip, steps=steps, batch_size=batch_size, sampling=sampling, noise=noise,
@@ -204,7 +204,7 @@ class DPSGD(PrivateAlgorithm):
         neighbouring, public = privacy.relation_and_size(
             n, default=events.DPSGDPlan.default_neighbouring(sampling), sampling=sampling
         )
-        if self.last_iterate_only != (sampling == "cyclic"):
+        if self.last_iterate_only and sampling != "cyclic":
             raise ValueError(f"sampling: {type(self).__name__} runs sampling='cyclic' only, got {sampling!r}")
         if self.last_iterate_only:
             if neighbouring != "replace-one":
@@ -386,6 +386,21 @@ class LastIterateDPSGD(DPSGD):
 
     def _record(self, admitted: tuple[Any, Any]) -> None:
         self.guard.record(*admitted, replace=True)
+
+
+# A subclass of DPSGD constructed with sampling="cyclic" -> its last-iterate form.
+_LAST_ITERATE: dict[type, type] = {}
+
+
+def _last_iterate_class(cls: type) -> type:
+    """``cls``'s last-iterate form: :class:`LastIterateDPSGD` for :class:`DPSGD`; for a subclass of DPSGD
+    (a user's, or a test's), a class deriving from both, its own methods first, made once."""
+    if cls is DPSGD:
+        return LastIterateDPSGD
+    if cls not in _LAST_ITERATE:
+        _LAST_ITERATE[cls] = type(cls.__name__, (cls, LastIterateDPSGD),
+                                  {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _LAST_ITERATE[cls]
 
 
 class DPGD(DPSGD):
