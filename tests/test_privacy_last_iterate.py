@@ -182,6 +182,18 @@ def test_best_bound_and_its_report():
     assert any("exceeds" in a for a in account(too_fast(1.0), 1e-5).assumptions)
 
 
+
+def test_best_falls_back_to_the_composed_gaussians_themselves():
+    """Where composition of passes is the smaller bound, "best" releases what "composition" does: the passes'
+    Gaussians, which the PLD accountant prices (it was their zCDP curve, which PLD cannot take and RDP prices
+    above the Gaussians' own PLD: 9.01 against 8.39 in a 12-step run)."""
+    common = dict(dataset_size=40, batch_size=8, steps=12, lr=0.05, clip=1.0, weak_convexity=1.0,
+                  smoothness=1.0)
+    best, composition = (CyclicDPSGDPlan(bound=b, **common) for b in ("best", "composition"))
+    assert best.active_bound() == "composition"
+    spent = [account(plan(2.0), 1e-5, accountant="pld").epsilon for plan in (best, composition)]
+    assert spent[0] == spent[1]
+
 def test_composition_bound_is_replace_one_dp_gd_per_pass():
     plan = CyclicDPSGDPlan(1000, 10, 250, lr=0.01, clip=1.0, bound="composition")
     assert plan.passes == 3

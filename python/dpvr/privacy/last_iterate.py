@@ -254,7 +254,7 @@ class CyclicDPSGDPlan(Plan):
 
     def _streams(self, noise):
         z = noise.get("gradient", 1.0)
-        if self.bound == "composition":
+        if self.active_bound() == "composition":  # "best" included: the Gaussians themselves, as tight
             return [Stream("gradient", z, self.passes)]
         return [Stream("gradient", z, 1, zcdp_unit=self.units()[self.active_bound()])]
 
