@@ -16,6 +16,7 @@ from torch import nn
 
 import dpvr
 import sensitivity as harness
+from dpvr import registry
 from dpvr.optim import DPSGD, PrivacyConfig, RuntimeConfig
 from dpvr.optim.clipping import split_noise
 from dpvr.trainer.parallel import DataParallel
@@ -230,8 +231,8 @@ def test_the_default_count_noise_too_small_for_z_says_so():
 def test_data_parallel_adaptive_clipping_is_refused():
     parallel = object.__new__(DataParallel)
     with pytest.raises(ValueError, match="clipping: 'adaptive' releases a count .* not all-reduced"):
-        parallel.check("dp-sgd", nn.Linear(3, 1), {"clipping": "adaptive"})
-    parallel.check("dp-sgd", nn.Linear(3, 1), {"clipping": "per_layer"})  # all-reduced like flat clipping
+        parallel.check(registry.get("dp-sgd"), nn.Linear(3, 1), {"clipping": "adaptive"})
+    parallel.check(registry.get("dp-sgd"), nn.Linear(3, 1), {"clipping": "per_layer"})  # all-reduced, as flat
 
 
 def test_make_private_adaptive_trains_reports_and_resumes(tmp_path):

@@ -100,7 +100,10 @@ def test_pld_calibration_keeps_the_rdp_ratios_and_shares():
         (DPSGDPlan(10, "random-allocation", batch_size=10, dataset_size=100), "pld"),
         (DPSGDAPlan(100, 10, 10), "pld"),
         (PrivateDiffPlan(100, 10, 10, 2, y_release="output"), "pld"),
-        (CyclicDPSGDPlan(100, 10, 50, lr=1e-3, clip=1.0, weak_convexity=1.0, smoothness=1.0), "rdp"),
+        # the last-iterate bound is a zCDP curve, which PLD cannot take; "best" here is composition of passes
+        (CyclicDPSGDPlan(100, 10, 50, lr=1e-3, clip=1.0, weak_convexity=1.0, smoothness=1.0,
+                         bound="last-iterate"), "rdp"),
+        (CyclicDPSGDPlan(100, 10, 50, lr=1e-3, clip=1.0, weak_convexity=1.0, smoothness=1.0), "pld"),
         (CyclicDPSGDPlan(100, 10, 50, lr=1e-3, clip=1.0, smoothness=1.0, bound="composition"), "pld"),
     ],
     ids=lambda v: v if isinstance(v, str) else type(v).__name__,
