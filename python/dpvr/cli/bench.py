@@ -44,6 +44,18 @@ def register(commands: argparse._SubParsersAction) -> None:
             "all",
         ),
     )
+    _step_arguments(p)
+    p.add_argument(
+        "--logical", type=int, default=1024,
+        help=with_default("memory: the logical (accounted) batch; the case is --case, default cnn", 1024),
+    )
+    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
+    p.set_defaults(run=run)
+
+
+
+def _step_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags only ``bench step`` reads."""
     p.add_argument(
         "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"
     )
@@ -71,24 +83,14 @@ def register(commands: argparse._SubParsersAction) -> None:
                           "and dpvr's norms and clipped sums staying float32", "none"),
     )
     p.add_argument(
-        "--logical", type=int, default=1024,
-        help=with_default("memory: the logical (accounted) batch; the case is --case, default cnn", 1024),
-    )
-    p.add_argument(
         "--explain", action="store_true",
         help="step: instead of timing, print per layer the shapes, the norm form the ghost clipper chose, "
         "the predicted times of every form, and the native share of dpvr's DP-SGD step (host only)",
     )
-    p.add_argument("--json", metavar="FILE", help="write the records to FILE")
     p.add_argument("--plot", metavar="PNG", help="step: also plot the methods' ratios and targets to PNG")
-    p.set_defaults(run=run)
-
 
 def run(args: argparse.Namespace) -> int:
-    bench = lab("bench", "bench")
-    CASES, REAL_CASES, SCALE_DEFAULT = bench.CASES, bench.REAL_CASES, bench.SCALE_DEFAULT
     host = lab("bench.host", "bench")
-
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if args.explain and args.what != "step":
@@ -99,59 +101,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--real, --reduced, --autocast: only 'bench step' takes them")
     if args.device == "cuda" and args.what == "kernels":
         return _run_cuda(args)
-    if args.what == "step":
-        step = lab("bench.step", "bench")
-
-        if args.scale and args.real:
-            raise ValueError("--scale, --real: choose one set of cases")
-        everything = REAL_CASES if args.real else SCALE_DEFAULT if args.scale else CASES
-        cases = everything if args.case == "all" else (args.case,)
-        if args.reduced and not set(cases) <= set(REAL_CASES):
-            raise ValueError(f"--reduced: only the real cases have a reduced size ({', '.join(REAL_CASES)}); "
-                             f"got {', '.join(c for c in cases if c not in REAL_CASES)}")
-        if args.explain:
-            print(step.explain(cases=cases, device=args.device, reduced=args.reduced))
-            return 0
-        import torch  # here only: the command line starts without torch
-
-        autocast = torch.bfloat16 if args.autocast == "bf16" else None
-        records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
-                           device=args.device, reduced=args.reduced, autocast=autocast)
-        headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
-        metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "ratio_vs_opacus_hooks"]
-        headers.append("host syncs" if args.device == "cuda" else "native share")
-        metrics.append("host_syncs" if args.device == "cuda" else "native_share")
-        if args.memory:
-            headers += ["peak MiB", "mem x non-private", "mem x opacus ghost"]
-            metrics += ["peak_mib", "memory_vs_non_private", "memory_vs_opacus_ghost"]
-        headers.append("note")
-        metrics.append("skipped")
-        if args.plot:
-            step.plot(records, args.plot)
-        fits = step.sequence_scaling(records)
-        if fits:
-            print(format_table(["method", "time ~ T^a", "peak memory ~ T^b"],
-                               [[m, a, b] for m, a, b in fits]))
-    elif args.what == "parallel":
-        parallel = lab("bench.parallel", "bench")
-
-        records = parallel.run(case="mlp" if args.case == "all" else args.case, steps=args.repeats)
-        headers = ["case", "method", "ms", "x one process"]
-        metrics = ["ms", "ratio_vs_one_process"]
-    elif args.what == "memory":
-        memory = lab("bench.memory", "bench")
-
-        physicals = [args.logical // k for k in (8, 4, 2, 1) if args.logical % k == 0]
-        records = memory.run(case="cnn" if args.case == "all" else args.case, logical=args.logical,
-                             physicals=physicals, repeats=args.repeats)
-        headers = ["case", "method", "ms", "peak MiB", "mem x logical", "note"]
-        metrics = ["ms", "peak_mib", "memory_vs_logical", "skipped"]
-    else:
-        kernels = lab("bench.kernels", "bench")
-
-        records = kernels.run(quick=args.quick, repeats=args.repeats)
-        headers = ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"]
-        metrics = ["ms", "gbps", "roofline_fraction", "speedup_vs_torch_eager", "speedup_vs_opacus"]
+    runs = {"step": _step, "parallel": _parallel, "memory": _memory, "kernels": _kernels}
+    measured = runs[args.what](args)
+    if measured is None:  # explained, not timed
+        return 0
+    records, headers, metrics = measured
     rows = [[r.dataset, r.method, *(r.metrics.get(m) for m in metrics)] for r in records]
     print(host.line())
     print(format_table(headers, rows))
@@ -159,6 +113,64 @@ def run(args: argparse.Namespace) -> int:
         settings = vars(args) | {"run": None, "host": host.describe()}
         write_json(args.json, document(f"bench-{args.what}", settings, records))
     return 0
+
+
+_Measured = tuple[list[Record], list[str], list[str]]  # the records, the table's headers and their metrics
+
+
+def _step(args: argparse.Namespace) -> _Measured | None:
+    bench, step = lab("bench", "bench"), lab("bench.step", "bench")
+    if args.scale and args.real:
+        raise ValueError("--scale, --real: choose one set of cases")
+    real = bench.REAL_CASES
+    everything = real if args.real else bench.SCALE_DEFAULT if args.scale else bench.CASES
+    cases = everything if args.case == "all" else (args.case,)
+    if args.reduced and not set(cases) <= set(real):
+        raise ValueError(f"--reduced: only the real cases have a reduced size ({', '.join(real)}); "
+                         f"got {', '.join(c for c in cases if c not in real)}")
+    if args.explain:
+        print(step.explain(cases=cases, device=args.device, reduced=args.reduced))
+        return None
+    import torch  # here only: the command line starts without torch
+
+    autocast = torch.bfloat16 if args.autocast == "bf16" else None
+    records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
+                       device=args.device, reduced=args.reduced, autocast=autocast)
+    headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
+    metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "ratio_vs_opacus_hooks"]
+    headers.append("host syncs" if args.device == "cuda" else "native share")
+    metrics.append("host_syncs" if args.device == "cuda" else "native_share")
+    if args.memory:
+        headers += ["peak MiB", "mem x non-private", "mem x opacus ghost"]
+        metrics += ["peak_mib", "memory_vs_non_private", "memory_vs_opacus_ghost"]
+    if args.plot:
+        step.plot(records, args.plot)
+    fits = step.sequence_scaling(records)
+    if fits:
+        print(format_table(["method", "time ~ T^a", "peak memory ~ T^b"], [[m, a, b] for m, a, b in fits]))
+    return records, [*headers, "note"], [*metrics, "skipped"]
+
+
+def _parallel(args: argparse.Namespace) -> _Measured:
+    parallel = lab("bench.parallel", "bench")
+    records = parallel.run(case="mlp" if args.case == "all" else args.case, steps=args.repeats)
+    return records, ["case", "method", "ms", "x one process"], ["ms", "ratio_vs_one_process"]
+
+
+def _memory(args: argparse.Namespace) -> _Measured:
+    memory = lab("bench.memory", "bench")
+    physicals = [args.logical // k for k in (8, 4, 2, 1) if args.logical % k == 0]
+    records = memory.run(case="cnn" if args.case == "all" else args.case, logical=args.logical,
+                         physicals=physicals, repeats=args.repeats)
+    return (records, ["case", "method", "ms", "peak MiB", "mem x logical", "note"],
+            ["ms", "peak_mib", "memory_vs_logical", "skipped"])
+
+
+def _kernels(args: argparse.Namespace) -> _Measured:
+    kernels = lab("bench.kernels", "bench")
+    records = kernels.run(quick=args.quick, repeats=args.repeats)
+    return (records, ["case", "method", "ms", "GB/s", "of roofline", "vs torch", "vs opacus"],
+            ["ms", "gbps", "roofline_fraction", "speedup_vs_torch_eager", "speedup_vs_opacus"])
 
 
 def _run_cuda(args: argparse.Namespace) -> int:
