@@ -132,7 +132,7 @@ def _pyplot() -> ModuleType:
         raise RuntimeError('--plot draws with matplotlib, which is not installed: pip install matplotlib (or '
                            '"dpvr[plot]")') from err
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # as above: the plot extra
 
     return plt
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from .. import registry
 from ..optim import LastIterateDPSGD, PrivacyConfig, PrivateAlgorithm, RuntimeConfig
@@ -555,8 +556,6 @@ class PrivateTrainer:
         """Runs ``steps`` steps (default: the rest of the planned run); ``progress=True`` shows a bar;
         ``writer``: each step's metrics (:meth:`step`), and at the end ``dpvr/epsilon``, the epsilon spent
         (released: it is a function of what the run released)."""
-        from tqdm import tqdm
-
         remaining = self.algorithm.total_steps - self.algorithm.steps_done if steps is None else steps
         bar = tqdm(range(remaining), desc=self.algorithm.name, disable=not progress)
         infos = [self.step(writer=writer) for _ in bar]
