@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,18 +255,30 @@ def crossover(coords: np.ndarray, log_ratios: np.ndarray, rng: np.random.Generat
     return point, float(lo), float(hi), slope
 
 
-def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
-    """The ``n eps / sqrt(d)`` where the two theorems' bounds (:class:`Protocol.bound`) are equal."""
-    lo, hi = 1.0, 1e12
+def crossing(below: Callable[[int], bool], dimension: int, epsilon: float, low: float = 10.0,
+             high: float = 1e12) -> float:
+    """The ``n eps / sqrt(d)`` from which the variance-reduced method's bound is below the baseline's
+    (``below(n)``), bisected on ``n`` in ``[low, high]`` to 0.1%. When its bound is below everywhere there the
+    answer is at most ``low``'s coordinate, which is returned (read it as "below the smallest n searched");
+    ``nan`` when it is below nowhere."""
+    if below(round(low)) == below(round(high)):
+        return low * epsilon / math.sqrt(dimension) if below(round(low)) else math.nan
+    lo, hi = low, high
     for _ in range(200):
         mid = math.sqrt(lo * hi)
-        n = max(1, round(mid))
-        d2 = diff2_protocol(n, 1, dimension, epsilon, DELTA, G_PHI, L_PHI, gap).bound
-        gd = dpgd_protocol(n, 1, dimension, epsilon, DELTA, G_PHI, L_PHI, gap).bound
-        lo, hi = (lo, mid) if d2 < gd else (mid, hi)
+        lo, hi = (lo, mid) if below(round(mid)) else (mid, hi)
         if hi / lo < 1.001:
             break
     return hi * epsilon / math.sqrt(dimension)
+
+
+def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
+    """The ``n eps / sqrt(d)`` where the two theorems' bounds (:class:`Protocol.bound`) are equal."""
+    def below(n: int) -> bool:
+        return (diff2_protocol(n, 1, dimension, epsilon, DELTA, G_PHI, L_PHI, gap).bound
+                < dpgd_protocol(n, 1, dimension, epsilon, DELTA, G_PHI, L_PHI, gap).bound)
+
+    return crossing(below, dimension, epsilon)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

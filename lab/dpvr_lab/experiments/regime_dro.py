@@ -394,23 +394,15 @@ def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
     ``E||grad f||^2``, as ``n eps / sqrt(d)``; ``nan`` when they do not meet in ``[10, 1e12]``."""
     c = spider_constants()
 
-    def below(n: float) -> bool:
-        p = spider_protocol(int(n), dimension, epsilon, DELTA, c["v-refresh"], c["v-difference"], psi0=gap)
+    def below(n: int) -> bool:
+        p = spider_protocol(n, dimension, epsilon, DELTA, c["v-refresh"], c["v-difference"], psi0=gap)
         spider = (math.sqrt(gap * c["v-difference"] * c["v-refresh"] * dimension * 5 * p.noise_constant)
                   / n) ** (2 / 3)
         g, lip = dual_constants()
         dual = math.sqrt(dpgd_protocol(int(n), 1, dimension + 1, epsilon, DELTA, g, lip, gap).bound)
         return spider < dual
 
-    lo, hi = 10.0, 1e12
-    if below(lo) == below(hi):
-        return lo * epsilon / math.sqrt(dimension) if below(lo) else math.nan
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if below(mid) else (mid, hi)
-        if hi / lo < 1.001:
-            break
-    return hi * epsilon / math.sqrt(dimension)
+    return regime.crossing(below, dimension, epsilon)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

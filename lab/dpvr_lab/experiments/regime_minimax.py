@@ -237,15 +237,7 @@ def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
         return schedule("PrivateDiff", n, dimension, epsilon, gap).bound < \
             schedule("DP-SGDA", n, dimension, epsilon, gap).bound
 
-    lo, hi = 10.0, 1e12
-    if below(int(lo)) == below(int(hi)):
-        return lo * epsilon / math.sqrt(dimension) if below(int(lo)) else math.nan
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if below(round(mid)) else (mid, hi)
-        if hi / lo < 1.001:
-            break
-    return hi * epsilon / math.sqrt(dimension)
+    return regime.crossing(below, dimension, epsilon)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
