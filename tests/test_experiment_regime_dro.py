@@ -4,6 +4,7 @@ dpvr's algorithms, its noise scale, and its protocols against dpvr.trainer.defau
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 
@@ -165,23 +166,35 @@ def test_the_replica_is_dpvrs_dpgd_on_the_dual_without_noise():
 
 def test_the_replicas_noise_has_the_librarys_scale():
     """One refresh step at x0 over 300 noise seeds, in dpvr and in the replica (n = 60, z = 3): the x step's
-    std per coordinate is lr (lam / s') z C1 / n in both (chi-square bounds: within 15%), with s' the same
-    noiseless value (s noise off by a tiny z_s)."""
+    std per coordinate is lr (lam / s') z C1 / n in both (chi-square bounds: within 15%). s' is made the same
+    constant in both: its noise is off (a tiny z_s) and both read the same record for it (the library's s
+    sampler seeded alike in every run, the replica told that record's atom), since s' depends on which
+    record the one-record s batch holds."""
     p = Problem.planted([2], 4, 20)
     inputs, targets = _records(p, 3)
     clip = spider_constants()
     noise = {"v-refresh": 3.0, "v-difference": 1.0, "u-refresh": 1.0, "u-difference": 1.0, "s": 1e-9}
-    lib = []
+    lib, s_records = [], set()
     for seed in range(300):
         model = _model(4)
+        runtime = RuntimeConfig(generator=dpvr.NoiseGenerator(seed, reproducible=True), sampler_seed=11)
         alg = RecursiveSpider(model, _phi_loss, inputs, targets, rho=regime_dro.RHO, lam0=LAM, steps=1,
                               restart=1, batch_sizes=[60, 60, 60, 60], lr=1.0, lr_lam=0.1, beta=1.0,
                               loss_bound=1.0, clip=clip, s_floor=regime_dro.S_FLOOR, noise=noise,
-                              runtime=RuntimeConfig(generator=dpvr.NoiseGenerator(seed, reproducible=True)))
+                              runtime=runtime)
+        s_records.add(int(copy.deepcopy(alg.samplers["s"]).draw()[0]))
         alg.step()
         lib.append(model.weight.detach().numpy().ravel())
+    (record,) = s_records
+    atom = record % p.atoms.shape[1]  # the records are the atoms repeated
+
+    def draws(stream: str, t: int) -> np.ndarray:
+        assert stream == "s", stream  # one refresh step draws no difference batch
+        return np.full(300, atom)
+
     stacked = Problem(np.repeat(p.atoms, 300, 0), np.repeat(p.targets, 300, 0), np.repeat(p.solution, 300, 0))
-    x, _ = regime_dro.run_spider(stacked, 60, 1, 1, 60, 1.0, 0.1, noise, clip, np.random.default_rng(1))
+    x, _ = regime_dro.run_spider(stacked, 60, 1, 1, 60, 1.0, 0.1, noise, clip, np.random.default_rng(1),
+                                 draws=draws)
     lib_, rep = np.asarray(lib), x
     assert np.allclose(lib_.mean(axis=0), rep.mean(axis=0), atol=0.25 * lib_.std())
     ratio = lib_.std(axis=0) / rep.std(axis=0)
