@@ -30,6 +30,7 @@ NormForm = Literal["auto", "gram", "direct"]
 Backend = Literal["auto", "native", "torch"]
 BACKENDS = ("auto", "native", "torch")
 _HALF = (torch.float16, torch.bfloat16)
+_TORCH_FORMS = ("chunked", "gram32")  # norm forms of the cost model computed in torch, not by the kernels
 
 
 def _widened(v: Any, dtype: torch.dtype) -> Any:
@@ -154,7 +155,8 @@ class GhostClipper:
             :func:`dpvr.ops.ghost_norms`), or ``"auto"``: on the host, each such part takes the form
             predicted fastest on this machine from its shapes, under a memory budget
             (:mod:`~dpvr.grads.ghost.cost`: the per-sample matrices materialised in one batched product,
-            the native Gram or direct form, or the direct form in float64 chunks of samples; the choices
+            the native Gram or direct form, the direct form in float64 chunks of samples, or, for float32
+            parameters, the Gram form from float32 blocks with its rounding priced; the choices
             are in :attr:`choices`); off the host, a layer
             applied at several steps whose per-sample matrix is no larger than its recorded inputs and
             output gradients has it materialised (:meth:`Outer.worth_materialising`), every other layer
@@ -636,6 +638,9 @@ class GhostClipper:
                     self.choices[f"{layer.name}.{attr}"] = choice
                     if choice.form != "materialise":
                         part.norm_form = choice.form
+                        if choice.form == "gram32":  # its blocks' scratch within what is left of the budget
+                            part.norm_scratch = cost.gram32_scratch(
+                                max(cost.direct_budget_bytes() - rec.held, 0.0))
                         continue
                     batch, _, p, q = choice.shapes
                     rec.held += batch * p * q * part.pieces[0][0].element_size()
@@ -706,8 +711,9 @@ class GhostClipper:
         if self.backend == "native":
             # The kernels measure a tied part's two parts apart; its cross term is added in torch.
             apart = [q for _, p in parts for q in ((p.rows, p.outer) if isinstance(p, Tied) else (p,))]
-            outers = [p for p in apart if isinstance(p, Outer) and p.norm_form != "chunked"]
+            outers = [p for p in apart if isinstance(p, Outer) and p.norm_form not in _TORCH_FORMS]
             chunked = [p for p in apart if isinstance(p, Outer) and p.norm_form == "chunked"]
+            gram32 = [p for p in apart if isinstance(p, Outer) and p.norm_form == "gram32"]
             norms_sq = torch.empty(batch, dtype=torch.float64)
             # The same pass gives each Outer part's R_i, which write_error would otherwise measure again.
             bounds = torch.empty(len(outers), batch, dtype=torch.float64)
@@ -716,10 +722,13 @@ class GhostClipper:
                                    if isinstance(p, (Dense, Rows))],
                             form=[p.norm_form or self.norm_form for p in outers],
                             outer_bounds=bounds if outers else None)
-            error = torch_norms.write_error(parts, batch, dtype, self._device,
-                                            known={id(p): bounds[j] for j, p in enumerate(outers)},
+            known = {id(p): bounds[j] for j, p in enumerate(outers)}
+            # The float32 Gram form's upper bounds (value + its priced rounding, norms.gram32_term), and R_i.
+            terms32, magnitudes = torch_norms.gram32_terms(gram32)
+            known.update({id(p): r for p, r in zip(gram32, magnitudes)})
+            error = torch_norms.write_error(parts, batch, dtype, self._device, known=known,
                                             accumulate=torch.float64)
-            norms_sq = torch_norms.with_terms(norms_sq, torch_norms.chunked_terms(chunked))
+            norms_sq = torch_norms.with_terms(norms_sq, torch_norms.chunked_terms(chunked) + terms32)
             norms_sq = torch_norms.with_cross_terms(norms_sq, [p for _, p in parts])
             factors = torch.empty(batch, dtype=dtype)
             norms = torch.empty(batch, dtype=dtype)

@@ -21,6 +21,16 @@ samples, widths ``p`` and ``q``) has three forms:
   :data:`~dpvr.grads.ghost.norms.SCRATCH_ENTRIES` float64 entries (128 MiB, and one temporary as large),
   whatever ``B``; then the same float64 sum. Its bound is the torch path's
   (:func:`~dpvr.grads.ghost.norms.ghost_norms`, form ``"direct"``).
+- ``"gram32"`` (float32 parameters only): the Gram form from float32 blocks
+  (:func:`~dpvr.grads.ghost.norms.gram32_term`): the steps cut into blocks of :data:`GRAM32_BLOCK`, each
+  pair of blocks ``I <= J`` two batched float32 matmuls (``2 B T_I T_J (p + q)`` flops at the batched
+  float32 matmul rate), then float64 passes over the blocks (the products summed, and the weighted sums
+  that price the float32 rounding: :data:`GRAM32_ENTRY_TRAFFIC` bytes per entry at the copy rate), then
+  the same float64 sum. Its value plus its a-priori rounding bound (about ``(p + q) 2^-24`` of the squared
+  norm where the steps are uncorrelated, up to ``T`` times that where they are aligned or cancel) is an
+  upper bound on the exact squared norm, as the native forms' are. Memory: chunks of samples' pairs of
+  blocks, at most :data:`GRAM32_SCRATCH` bytes or what is left of the memory budget if less; refused when
+  one sample's largest pair does not fit there, or when the widths are too large for the bound.
 
 The rates come from a short micro-benchmark (:func:`calibrate`, well under a second) run once per machine
 and cached as JSON under the user's cache directory (``$XDG_CACHE_HOME/dpvr`` or ``~/.cache/dpvr``), keyed
@@ -31,7 +41,9 @@ budget of the materialised form (default :data:`DEFAULT_DIRECT_MIB`). Tests pin 
 
 Privacy: the choice depends on the shapes ``(B, T, p, q)``, the dtype and the machine only, never on the
 values of the recorded tensors. It changes the time, not the guarantee: the native forms return upper bounds
-on the exact per-sample norms that include their float64 rounding (:func:`dpvr.ops.ghost_norms`) and the
+on the exact per-sample norms that include their float64 rounding (:func:`dpvr.ops.ghost_norms`), the
+float32 Gram form one that includes its float32 rounding (its price: a looser bound, so a clipped record
+is scaled a little further below the radius), and the
 clipped sum's rounding is bounded separately (:func:`~dpvr.grads.ghost.norms.write_error`); a materialised
 part's norms are upper bounds on the norms of the very matrices that its clipped sum writes (one rounding
 per entry, priced by the clip margin). So each record's written contribution has norm at most the clip
@@ -55,7 +67,11 @@ import torch
 
 from ... import ops
 
-FORMS = ("materialise", "gram", "direct", "chunked")
+FORMS = ("materialise", "gram", "direct", "chunked", "gram32")
+GRAM32_BLOCK = 128  # steps per block of the float32 Gram form
+GRAM32_SCRATCH = float(1 << 26)  # bytes of scratch its blocks may use (64 MiB) unless the budget is less
+GRAM32_ENTRY_BYTES = 24  # scratch per Gram entry: two float32 blocks and their float64 copies
+GRAM32_ENTRY_TRAFFIC = 96.0  # bytes moved per float32 Gram entry: written, widened, read, abs, weighted
 DEFAULT_DIRECT_MIB = 256.0
 CALIBRATE_ENV = "DPVR_GHOST_CALIBRATE"
 BUDGET_ENV = "DPVR_GHOST_DIRECT_MIB"
@@ -118,7 +134,40 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
     chunked = float("inf")
     if steps > 1:  # the matrices in float64, then their squares summed: a write and two reads
         chunked = 2.0 * b * t * p * q / rates.matmul64 + entries * 24.0 / rates.bandwidth + float64_sum
-    return {"materialise": materialise, "gram": gram, "direct": direct, "chunked": chunked}
+    gram32 = float("inf")
+    if itemsize == 4 and gram32_fits(steps, p, q, budget):
+        blocks = gram32_blocks([steps])
+        pairs = (sum(blocks) ** 2 + sum(k * k for k in blocks)) / 2.0  # Gram entries of the pairs I <= J
+        # the float32 blocks of both sides; their float64 passes; each pair reads its blocks' inputs, and
+        # the norms of every step are read once more
+        traffic = b * pairs * GRAM32_ENTRY_TRAFFIC + 4.0 * b * t * (p + q) * (len(blocks) + 3)
+        gram32 = 2.0 * b * pairs * (p + q) / rates.matmul32 + traffic / rates.bandwidth + float64_sum
+    return {"materialise": materialise, "gram": gram, "direct": direct, "chunked": chunked, "gram32": gram32}
+
+
+def gram32_fits(steps: int, p: int, q: int, budget: float) -> bool:
+    """Whether the float32 Gram form can run for these shapes: its rounding bound exists (``k u < 1/2`` for
+    the widths, :func:`~dpvr.grads.ghost.norms.gram32_term`) and one sample's largest pair of step blocks
+    fits in ``budget`` bytes of scratch."""
+    return (max(p, q) * 2.0 ** -24 < 0.5 and (2.0 * steps * steps + 8.0) * 2.0 ** -53 < 0.5
+            and gram32_min_scratch([steps]) <= budget)
+
+
+def gram32_blocks(steps: list[int]) -> list[int]:
+    """The step blocks of the float32 Gram form: each piece's steps cut into runs of at most
+    :data:`GRAM32_BLOCK` (as :func:`~dpvr.grads.ghost.norms.gram32_term` cuts them)."""
+    return [min(GRAM32_BLOCK, t - s) for t in steps for s in range(0, t, GRAM32_BLOCK)]
+
+
+def gram32_min_scratch(steps: list[int]) -> float:
+    """The least scratch (bytes) of the float32 Gram form: one sample's largest pair of blocks."""
+    largest = max(gram32_blocks(steps))
+    return float(GRAM32_ENTRY_BYTES * largest * largest)
+
+
+def gram32_scratch(budget: float) -> float:
+    """The scratch the float32 Gram form's blocks may use under ``budget`` bytes (at most 64 MiB)."""
+    return min(float(budget), GRAM32_SCRATCH)
 
 
 def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates | None = None,

@@ -11,12 +11,14 @@ tree exceeds), and ``u = 2^-53``; the sum over parts adds its own bound, as in t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ... import ops
+from .cost import GRAM32_BLOCK, GRAM32_ENTRY_BYTES, GRAM32_SCRATCH
 from .rules import Dense, Outer, Part, Rows, Tied
 
 U64 = 2.0 ** -53
@@ -166,6 +168,156 @@ def chunked_terms(parts: Sequence[Outer]) -> list[tuple[Tensor, Tensor]]:
     formula and bound, :func:`_outer`), as ``(value, bound)`` pairs for :func:`_upper_sum`: the native
     clipper's ``"chunked"`` form (:mod:`~dpvr.grads.ghost.cost`)."""
     return [_term(p, "direct") for p in parts]
+
+
+# ---- the float32 Gram form ----
+
+U32 = 2.0 ** -24
+TINY32 = 2.0 ** -126  # float32's smallest normal number: any underflow, flush or denormal read moves less
+
+
+def _gamma(k: float, unit: float) -> float:
+    """``gamma_k = k u / (1 - k u)``, rounded up (an error bound is never rounded down)."""
+    if not k * unit < 0.5:
+        raise ValueError(f"the float32 Gram form rounds {k:.0f} terms per product: too many to bound; use "
+                         "another norm form")
+    return (k * unit / (1.0 - k * unit)) * (1.0 + 8.0 * U64)
+
+
+def gram32_constants(steps: int, p: int, q: int, reduced: float) -> tuple[float, float, float, float, float]:
+    """``(g_p, g_q, c_p, c_q, coef_R)`` of :func:`gram32_term`'s bound for ``steps`` steps in all, widths
+    ``p`` and ``q`` and inputs rounded by ``reduced`` (0: full float32 products)."""
+    g = []
+    shifts = []
+    for width in (p, q):
+        gamma = _gamma(width, U32)
+        gw = ((1.0 + reduced) ** 2 * (1.0 + gamma) - 1.0) * (1.0 + 8.0 * U64)
+        kappa = (5.0 * width + 1.0) * TINY32 * (1.0 + gamma) * (1.0 + reduced) * (1.0 + 8.0 * U64)
+        ratio = kappa / gw
+        g.append(gw)
+        shifts.append(max(ratio, math.sqrt(ratio)) * (1.0 + 8.0 * U64))
+    g_p, g_q = g
+    gamma64 = _gamma(2.0 * steps * steps + 8.0, U64)
+    coef_r = (g_p * g_q + gamma64 * (1.0 + g_p) * (1.0 + g_q)) * (1.0 + 16.0 * U64)
+    return g_p, g_q, shifts[0], shifts[1], coef_r
+
+
+def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """An Outer part's squared norms from float32 Gram blocks: float64 ``(value, bound, R)`` per sample,
+    with ``exact <= value + bound`` (``exact``: the squared Frobenius norm of ``u_i = sum_t b_t a_t^T`` of
+    the stored float32 pieces, ``a_t`` the ``p``-wide activations and ``b_t`` the ``q``-wide gradients of
+    step ``t`` of all pieces, ``K`` steps) and ``R = sum_t ||a_t|| ||b_t||`` (the magnitude
+    :func:`write_error` reads, computed as :func:`dpvr.ops.ghost_norms` does). NaN where the data is not
+    finite; where the data is finite but a float32 Gram entry overflows, the float64 form of the torch path
+    (:func:`_term`) replaces the sample's value and bound. ``scratch``: bytes the blocks may use (default
+    :data:`~dpvr.grads.ghost.cost.GRAM32_SCRATCH`; at least one sample's largest pair of blocks is used).
+
+    The identity: ``||u_i||^2 = sum_{s,t} G_st H_st`` with ``G = A A^T`` (``G_st = a_s . a_t``) and
+    ``H = B B^T``. Each piece's steps are cut into blocks of at most
+    :data:`~dpvr.grads.ghost.cost.GRAM32_BLOCK`; for each pair of blocks ``I <= J`` the float32 blocks
+    ``G^_IJ``, ``H^_IJ`` are batched float32 matmuls, widened to float64 (exactly) and ``sum G^_st H^_st``
+    over the pair is a float64 dot product, counted twice off the diagonal (``G`` and ``H`` are symmetric;
+    the one computed entry stands for both ``(s, t)`` and ``(t, s)``). Memory: ``24`` bytes per entry of a
+    chunk of samples' pair of blocks, at most ``scratch``.
+
+    The rounding bound (``u = 2^-24``, ``gamma_k = k u / (1 - k u)``, ``u'`` the reduced-precision unit of
+    torch's float32 matmul setting (:func:`reduced_precision_unit`, 0 at ``"highest"``), ``mu = 2^-126``):
+
+    1. One float32 entry ``G^_st``, a dot product of ``p`` terms in any order (blocked, vectorised, fused):
+       reading an input may round it to ``u'`` (TF32/bfloat16) and, under denormals-are-zero, lose less
+       than ``mu``; every product and addition rounds relatively by ``u`` (at most ``p`` of them on any one
+       term's path: ``gamma_p``) and absolutely by less than ``mu`` (gradual underflow, or a flush to zero;
+       at most ``4 p`` such, each amplified by at most ``1 + gamma_p``), and the entry's widening to float64
+       by less than ``mu`` (a flushed denormal). With ``||x||_1 <= sqrt(p) ||x||`` this gives
+       ``|G^_st - G_st| <= g_p ||a_s|| ||a_t|| + kappa_p (||a_s|| + ||a_t|| + 1)``, where
+       ``g_p = (1 + u')^2 (1 + gamma_p) - 1`` and ``kappa_p = (5 p + 1) mu (1 + gamma_p) (1 + u')``. With
+       ``c_p = max(kappa_p / g_p, sqrt(kappa_p / g_p))`` and ``alpha_t = ||a_t|| + c_p`` it is at most
+       ``g_p alpha_s alpha_t``; likewise ``|H^_st - H_st| <= g_q beta_s beta_t``. No overflow occurred
+       when ``G^_st`` is finite (an infinite partial sum or product stays infinite or becomes NaN), and a
+       non-finite entry makes the sample's value non-finite (it is then recomputed, above).
+    2. The float64 products ``G^_st H^_st`` of two float32 numbers are exact (48 significant bits, and
+       ``2^-298`` or more in magnitude: no float64 underflow), and every partial sum is a multiple of
+       ``2^-298``, so the float64 sums of ``n <= 2 K^2 + 8`` terms per sample (blocks, pairs, doubling)
+       round by at most ``gamma64_n sum |G^ H^| <= gamma64_n (1 + g_p) (1 + g_q) R'^2``, where
+       ``R' = sum_t alpha_t beta_t`` and ``|G^_st| <= (1 + g_p) alpha_s alpha_t``.
+    3. ``|G^ H^ - G H| <= |dG| |H^| + |G^| |dH| + |dG| |dH|``, so summed over ``(s, t)``:
+
+           |value - exact| <= g_p W_a + g_q W_b + (g_p g_q + gamma64_n (1 + g_p) (1 + g_q)) R'^2,
+
+       with ``W_a = sum_{s,t} alpha_s alpha_t |H^_st|`` and ``W_b = sum_{s,t} beta_s beta_t |G^_st|``,
+       computed in float64 from the same blocks (non-negative terms: the computed sums, times
+       ``1 + 2 (n + 8) u64``, bound the exact ones from above). ``W_a <= (1 + g_q) R'^2`` always, and it is
+       near ``||u_i||^2`` where the steps are uncorrelated (``|H_st|`` small off the diagonal), so the
+       allowance is about ``(g_p + g_q) ||u_i||^2`` there instead of ``(g_p + g_q) R^2 ~ K (g_p + g_q)
+       ||u_i||^2``. The float64 norms ``||a_t||`` and the sums giving ``alpha``, ``R'`` and ``W`` are
+       rounded up by explicit factors (``2 k u64`` for ``k`` roundings in a row).
+
+    So ``value + bound >= exact``, and the clipper forms its factor from that upper bound, as from the native
+    forms' (:func:`dpvr.ops.ghost_norms`): each record's contribution stays within the clip radius. The
+    bound costs two float64 passes over the blocks; its size, relative to the squared norm, is about
+    ``(g_p + g_q)`` times ``1`` (uncorrelated steps) to ``K`` (steps aligned, or cancelling: the latter
+    ``R^2 >> ||u_i||^2``), which over-clips by that much and is the form's price besides its speed.
+    Pieces must be float32 (the form is offered for float32 parameters only).
+    """
+    pieces = [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in part.pieces]
+    if any(m.dtype != torch.float32 or n.dtype != torch.float32 for m, n in pieces):
+        raise ValueError("the float32 Gram form takes float32 pieces; use the float64 forms for "
+                         f"{pieces[0][0].dtype}")
+    batch, p, q = pieces[0][0].shape[0], pieces[0][0].shape[-1], pieces[0][1].shape[-1]
+    device = pieces[0][0].device
+    lengths = [m.shape[1] for m, _ in pieces]
+    steps = sum(lengths)
+    reduced = reduced_precision_unit(False, device)
+    g_p, g_q, c_p, c_q, coef_r = gram32_constants(steps, p, q, reduced)
+    chain = 2.0 * steps * steps + 8.0
+    # Per step, the float64 norms rounded up and shifted (alpha, beta); R without the shifts.
+    a_norm = torch.cat([torch.linalg.vector_norm(m, dim=2, dtype=torch.float64) for m, _ in pieces], dim=1)
+    b_norm = torch.cat([torch.linalg.vector_norm(n, dim=2, dtype=torch.float64) for _, n in pieces], dim=1)
+    r_plain = (a_norm * b_norm).sum(dim=1)
+    alpha = (a_norm + c_p) * (1.0 + 2.0 * (p + 8) * U64)
+    beta = (b_norm + c_q) * (1.0 + 2.0 * (q + 8) * U64)
+    r_shift = (alpha * beta).sum(dim=1) * (1.0 + 2.0 * (steps + 8) * U64)
+    blocks: list[tuple[Tensor, Tensor, int]] = []  # (m block, n block, first step)
+    first = 0
+    for (m, n), length in zip(pieces, lengths):
+        for s in range(0, length, GRAM32_BLOCK):
+            blocks.append((m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], first + s))
+        first += length
+    largest = max(mb.shape[1] for mb, _, _ in blocks)
+    room = GRAM32_SCRATCH if scratch is None else min(float(scratch), GRAM32_SCRATCH)
+    size = max(1, int(room // (GRAM32_ENTRY_BYTES * largest * largest)))
+    value = torch.zeros(batch, dtype=torch.float64, device=device)
+    w_a, w_b = torch.zeros_like(value), torch.zeros_like(value)
+    for lo in range(0, batch, size):
+        s = slice(lo, min(lo + size, batch))
+        b = s.stop - s.start
+        for i, (mi, ni, fi) in enumerate(blocks):
+            ai, bi = alpha[s, fi:fi + mi.shape[1]], beta[s, fi:fi + mi.shape[1]]
+            for mj, nj, fj in blocks[i:]:
+                aj, bj = alpha[s, fj:fj + mj.shape[1]], beta[s, fj:fj + mj.shape[1]]
+                weight = 1.0 if fj == fi else 2.0
+                g = torch.bmm(mi[s], mj[s].transpose(1, 2)).to(torch.float64)  # (b, Ti, Tj), widened
+                h = torch.bmm(ni[s], nj[s].transpose(1, 2)).to(torch.float64)
+                value[s] += weight * torch.bmm(g.view(b, 1, -1), h.view(b, -1, 1)).view(b)
+                g.abs_()
+                h.abs_()
+                w_a[s] += weight * torch.bmm(torch.bmm(ai.unsqueeze(1), h), aj.unsqueeze(2)).view(b)
+                w_b[s] += weight * torch.bmm(torch.bmm(bi.unsqueeze(1), g), bj.unsqueeze(2)).view(b)
+    up = 1.0 + 2.0 * (chain + 8.0) * U64
+    bound = ((g_p * w_a + g_q * w_b) * up + coef_r * (r_shift * r_shift)) * (1.0 + 8.0 * U64)
+    overflow = ~torch.isfinite(value) & torch.isfinite(r_plain)
+    if bool(overflow.any()):  # a finite sample whose float32 Gram entries overflowed: in float64
+        rows = overflow.nonzero().squeeze(1)
+        v64, b64 = _term(Outer([(m[rows], n[rows]) for m, n in pieces]), "auto")
+        value, bound = value.index_put((rows,), v64), bound.index_put((rows,), b64)
+    return value, bound, r_plain
+
+
+def gram32_terms(parts: Sequence[Outer]) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+    """Each Outer part's ``(value, bound)`` pair by the float32 Gram form (:func:`gram32_term`, with the
+    scratch its choice allowed: :attr:`Outer.norm_scratch`) for :func:`_upper_sum`, and its ``R``."""
+    got = [gram32_term(p, p.norm_scratch) for p in parts]
+    return [(v, b) for v, b, _ in got], [r for _, _, r in got]
 
 
 def with_terms(norms_sq: Tensor, terms: Sequence[tuple[Tensor, Tensor]]) -> Tensor:

@@ -115,7 +115,8 @@ class Outer:
 
     pieces: list[tuple[Tensor, Tensor]]
     recorded_steps: int | None = None
-    norm_form: str | None = None  # the native kernel's form chosen for it (cost.choose); None: the caller's
+    norm_form: str | None = None  # the form chosen for its norms (cost.choose); None: the caller's
+    norm_scratch: float | None = None  # bytes of scratch that form may use (the float32 Gram form's blocks)
     by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
@@ -168,7 +169,8 @@ class Outer:
     def combine(self, other: Outer, a: Tensor | None, b: Tensor | None) -> Outer:
         """``a_i u_i - b_i u'_i`` as pieces of both (exact; its norm bound is relative to the two terms)."""
         return Outer([(m, scale_rows(n, a)) for m, n in self.pieces]
-                     + [(m, -scale_rows(n, b)) for m, n in other.pieces], norm_form=self.norm_form)
+                     + [(m, -scale_rows(n, b)) for m, n in other.pieces], norm_form=self.norm_form,
+                     norm_scratch=self.norm_scratch)
 
 
 @dataclass
