@@ -209,9 +209,66 @@ def make_private(
         only the last one under ``algorithm="last-iterate"``. The optimizer's steps and
         :meth:`PrivateTrainer.evaluate` callbacks are post-processing of released values.
     """
+    spec = _entry(algorithm)
+    privacy, noise = _budget(privacy, noise_multiplier, settings, epsilon=epsilon, delta=delta,
+                             accountant=accountant, public_dataset_size=public_dataset_size)
+    cls, sampled = spec.algorithm_class(), spec.layout == "sampled"
+    settings = {**spec.algorithm_options, **settings}
+    params = _trainable(module)
+    parallel = DataParallel.detect(process_group)
+    if parallel is not None:
+        parallel.check(spec, module, settings)
+    minimax = spec.problem == "minimax"
+    _check_criterion(algorithm, criterion, minimax)
+    # Nothing of the data's size is read or held here: each step loads the records its sampler draws.
+    records, batch_size = _records(spec, data, batch_size, params[0])
+    # The size every release's shape reads: the stated public one (add/remove), else the data's own, which
+    # the algorithm then accounts under replace-one, where it is public by definition.
+    n = privacy.public_dataset_size
+    n = n if n is not None else min(len(r) for r in records)
+    if sampled:
+        settings["batch_size"] = batch_size
+    if optimizer is not None:
+        settings["optimizer"] = optimizer
+    _check_settings(spec, cls, n, settings, batch_size=batch_size, epochs=epochs, steps=steps)
+    runtime = runtime or RuntimeConfig()
+    if parallel is not None:  # one sampler seed and one noise generator for every process
+        runtime = parallel.runtime(runtime)
+    loss, runtime = _checked_loss(module, criterion, records[0], runtime, minimax)
+    # One definition of an epoch, the sampler's: ceil(n / b) here once charged one random-allocation epoch
+    # as two (the plan prices any step past round(n / b) as a new epoch).
+    scheme = _sampling(cls, settings) if sampled else "full"
+    per_epoch = 1 if spec.layout == "per-stream" else steps_per_epoch(scheme, n, batch_size)
+    public = Public(n=n, clients=len(records), dimension=sum(p.numel() for p in params),
+                    epsilon=privacy.epsilon, delta=privacy.delta, steps=steps)
+    steps, derived = _schedule(algorithm, settings, noise, public, epochs=epochs, per_epoch=per_epoch)
+    settings.update({name: d.value for name, d in derived.items()})
+    arguments: dict[str, Any] = {"steps": steps, "privacy": privacy, "runtime": runtime, **settings}
+    if noise is not None:
+        arguments["noise"] = noise
+    # One client per dataset given to a federated algorithm.
+    if parallel is not None:  # each process loads its share of every batch drawn
+        records = [parallel.records(r) for r in records]
+    private: PrivateAlgorithm = cls(module, loss, records if spec.federated else records[0], **arguments)
+    if parallel is not None:  # ... and the clipped sums are the whole batch's
+        private.gradients = parallel.gradients(private.gradients)
+    return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel, derived=derived)
+
+
+def _entry(algorithm: str) -> registry.AlgorithmSpec:
+    """The registry's entry for ``algorithm``, refusing a name ``make_private`` does not run (no layout)."""
     spec = registry.REGISTRY.get(algorithm) if isinstance(algorithm, str) else None
     if spec is None or spec.layout is None:
         raise ValueError(f"algorithm: must be one of {sorted(registry.front_door())}, got {algorithm!r}")
+    return spec
+
+
+def _budget(privacy: PrivacyConfig | None, noise_multiplier: float | Mapping[str, float] | None,
+            settings: Mapping[str, Any], *, epsilon: float | None, delta: float | None,
+            accountant: str | None, public_dataset_size: int | None,
+            ) -> tuple[PrivacyConfig, float | dict[str, float] | None]:
+    """The run's :class:`~dpvr.optim.PrivacyConfig` (:func:`_privacy`) and its noise (:func:`_noise`): the
+    noise only ever as ``noise_multiplier``, and at least one of a budget and a noise."""
     if "noise" in settings:
         raise ValueError(
             "noise: give the noise as noise_multiplier= (a number for every stream, or {stream: z}); "
@@ -219,16 +276,17 @@ def make_private(
         )
     privacy = _privacy(privacy, epsilon=epsilon, delta=delta, accountant=accountant,
                        public_dataset_size=public_dataset_size)
-    epsilon, delta, public_dataset_size = privacy.epsilon, privacy.delta, privacy.public_dataset_size
     noise = _noise(noise_multiplier)
-    if epsilon is None and noise is None:
+    if privacy.epsilon is None and noise is None:
         raise ValueError(
             "give epsilon= (the noise is calibrated to spend it) or noise_multiplier= (the accountant then "
             "reports the epsilon spent), or both (epsilon is then a budget no release may exceed)"
         )
-    layout = spec.layout
-    cls, sampled = spec.algorithm_class(), layout == "sampled"
-    settings = {**spec.algorithm_options, **settings}
+    return privacy, noise
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s trainable parameters (the released iterates), refusing anything but a module with some."""
     if not isinstance(module, nn.Module):
         changes = isinstance(module, list) and all(isinstance(m, str) for m in module)
         hint = (" (dpvr.fix(model) changes the model in place and returns the list of its changes: pass "
@@ -237,11 +295,12 @@ def make_private(
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("module: has no trainable parameters")
-    dtype, device = params[0].dtype, params[0].device
-    parallel = DataParallel.detect(process_group)
-    if parallel is not None:
-        parallel.check(spec, module, settings)
-    minimax = spec.problem == "minimax"
+    return params
+
+
+def _check_criterion(algorithm: str, criterion: Any, minimax: bool) -> None:
+    """Refuses a ``criterion`` of the wrong kind: a minimax algorithm takes a ``MinimaxProblem``, the others a
+    loss callable."""
     if minimax != isinstance(criterion, MinimaxProblem):
         where = (
             " (dpvr.problems.MinimaxProblem: build one from dpvr.objectives, e.g. "
@@ -253,6 +312,13 @@ def make_private(
             f"criterion: {algorithm!r} takes a {'MinimaxProblem' if minimax else 'loss callable'}, "
             f"got {type(criterion).__name__}{where}"
         )
+
+
+def _records(spec: registry.AlgorithmSpec, data: Dataset | DataLoader | Sequence[Dataset | DataLoader],
+             batch_size: int | None, like: torch.Tensor) -> tuple[list[Any], int | None]:
+    """``data`` as the records the algorithm draws from (one set per client for a federated algorithm), in
+    the dtype and on the device of the parameter ``like``, and the batch size: the one given, else, for a
+    sampling algorithm, a ``DataLoader``'s own."""
     # A list is one dataset per client for a federated algorithm; for the others, a list of records (a
     # plain Python list is a map-style dataset) unless every element is itself a dataset or loader.
     clients = isinstance(data, (list, tuple)) and (
@@ -266,37 +332,33 @@ def make_private(
     for shard in shards:
         if isinstance(shard, DataLoader):
             check_collate(shard.collate_fn, shard.dataset)
+    sampled = spec.layout == "sampled"
     if batch_size is None and sampled and isinstance(shards[0], DataLoader):
         batch_size = shards[0].batch_size  # the (expected) batch size the user already chose
-    # Nothing of the data's size is read or held here: each step loads the records its sampler draws.
-    records = [dataset_records(d, dtype, device, batched=sampled) for d in shards]
-    # The size every release's shape reads: the stated public one (add/remove), else the data's own, which
-    # the algorithm then accounts under replace-one, where it is public by definition.
-    n = public_dataset_size if public_dataset_size is not None else min(len(r) for r in records)
-    per_stream = layout == "per-stream"
-    if sampled:
-        settings["batch_size"] = batch_size
-    if optimizer is not None:
-        settings["optimizer"] = optimizer
-    _check_settings(spec, cls, n, settings, batch_size=batch_size, epochs=epochs, steps=steps)
-    runtime = runtime or RuntimeConfig()
-    if parallel is not None:  # one sampler seed and one noise generator for every process
-        runtime = parallel.runtime(runtime)
-    probe = list(records[0].probe(PROBE))
+    return [dataset_records(d, like.dtype, like.device, batched=sampled) for d in shards], batch_size
+
+
+def _checked_loss(module: nn.Module, criterion: Any, records: Any, runtime: RuntimeConfig,
+                  minimax: bool) -> tuple[Any, RuntimeConfig]:
+    """The per-record loss the algorithm clips (a ``MinimaxProblem`` as it is), and ``runtime`` with the
+    gradient mode that fits ``module``, once the model and the criterion have passed the record-independence
+    checks on a few of ``records``."""
+    probe = list(records.probe(PROBE))
     loss = criterion if minimax else per_sample(criterion)
     # On a copy of the model, before anything runs on the user's own (its forward could write into it).
     grad_mode = check_model(module, *probe, None if minimax else loss, grad_mode=runtime.grad_mode)
     runtime = dataclasses.replace(runtime, grad_mode=grad_mode)
     if not minimax:
         check_separable(criterion, module, *probe)
+    return loss, runtime
 
-    # One definition of an epoch, the sampler's: ceil(n / b) here once charged one random-allocation epoch
-    # as two (the plan prices any step past round(n / b) as a new epoch).
-    scheme = _sampling(cls, settings) if sampled else "full"
-    per_epoch = 1 if per_stream else steps_per_epoch(scheme, n, batch_size)
-    # The schedule settings not given (the run's length too, where a theorem gives it), from the papers'
-    # theorems and public quantities only.
-    if epsilon is None:  # the theorems' schedules are functions of the budget
+
+def _schedule(algorithm: str, settings: Mapping[str, Any], noise: float | dict[str, float] | None,
+              public: Public, *, epochs: float | None, per_epoch: int) -> tuple[int, dict[str, Derived]]:
+    """The run's length in steps and the schedule settings not given (the run's length too, where a theorem
+    gives it), from the papers' theorems and public quantities only (:mod:`dpvr.trainer.defaults`)."""
+    steps = public.steps
+    if public.epsilon is None:  # the theorems' schedules are functions of the budget
         needed = [name for name in derivable(algorithm) if settings.get(name) is None]
         needed += ["steps"] if steps is None and epochs is None else []
         if needed:
@@ -304,8 +366,6 @@ def make_private(
                 f"make_private({algorithm!r}): {', '.join(needed)}: not given, and the theorems' defaults "
                 "are functions of the budget epsilon; give them, or give epsilon= beside noise_multiplier="
             )
-    dimension = sum(p.numel() for p in params)
-    public = Public(n=n, clients=len(records), dimension=dimension, epsilon=epsilon, delta=delta, steps=steps)
     derived: dict[str, Derived] = {}
     if steps is None and epochs is None:
         derived["steps"] = derive_steps(algorithm, settings, public)
@@ -315,22 +375,7 @@ def make_private(
     # The rules read the run's noise where it is given (a step size is a function of it).
     rules_read = settings if noise is None else {**settings, "noise": noise}
     derived.update(derive(algorithm, rules_read, dataclasses.replace(public, steps=steps)))
-    settings.update({name: d.value for name, d in derived.items()})
-    arguments: dict[str, Any] = {
-        "steps": steps,
-        "privacy": privacy,
-        "runtime": runtime,
-        **settings,
-    }
-    if noise is not None:
-        arguments["noise"] = noise
-    # One client per dataset given to a federated algorithm.
-    if parallel is not None:  # each process loads its share of every batch drawn
-        records = [parallel.records(r) for r in records]
-    private: PrivateAlgorithm = cls(module, loss, records if spec.federated else records[0], **arguments)
-    if parallel is not None:  # ... and the clipped sums are the whole batch's
-        private.gradients = parallel.gradients(private.gradients)
-    return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel, derived=derived)
+    return steps, derived
 
 
 def _privacy(privacy: PrivacyConfig | None, *, epsilon: float | None, delta: float | None,
