@@ -9,11 +9,12 @@ import torch
 
 import dpvr
 from dpvr import PaperSigmas, ops
+from dpvr.algorithms import PrivateDiff, PrivateDiffOutputY
+from dpvr.algorithms.private_diff.rounding import YRounding
 from dpvr.audit.games import CanaryMinimax
 from dpvr.cli import main
 from dpvr.objectives import AUCMargin, AUCModel
-from dpvr.optim import PrivacyConfig, PrivateDiff, RuntimeConfig
-from dpvr.optim.minimax import YRounding
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.privacy import account
 from dpvr.problems import MinimaxProblem
 from dpvr.problems.minimax import YSensitivity
@@ -184,6 +185,47 @@ def test_checkpoint_resume_is_bit_identical(data):
     ascent = dict(options, clip={**options["clip"], "y": 1.0}, y_release="ascent", lr_y=0.1)
     with pytest.raises(ValueError, match="y_release"):  # a state of the other release is refused
         output_diff(mlp(), problem, x, y, **ascent, runtime=runtime(7)).load_state_dict(first.state_dict())
+
+
+def test_output_release_is_a_subclass_chosen_at_construction(data):
+    """``y_release="output"`` constructs :class:`PrivateDiffOutputY` (the default, ``"ascent"``, stays a
+    PrivateDiff); a user's subclass keeps its own methods ahead of the variant's, and its name, and releases
+    the same values under the same binding as PrivateDiff does; the variant refuses the other release."""
+    x, y = data
+    problem = AUCMargin(0.3)
+    options = dict(steps=3, restart=2, y_steps=6, batch_size=8, sampling="wor",
+                   clip={"checkpoint": 1.0, "difference": (1.0, 0.1)},
+                   noise=PaperSigmas(checkpoint=0.05, difference=0.05, y=0.5))  # fmt: skip
+
+    def seeded() -> RuntimeConfig:  # a generator of its own for each run, the same keys and batches
+        return RuntimeConfig(generator=dpvr.NoiseGenerator(seed=0, reproducible=True), sampler_seed=3)
+
+    plain = output_diff(mlp(), problem, x, y, **options, runtime=seeded())
+    assert type(plain) is PrivateDiffOutputY and isinstance(plain, PrivateDiff)
+    assert plain.name == "PrivateDiff" and dpvr.algorithms.PrivateDiffOutputY is PrivateDiffOutputY
+    ascent = output_diff(mlp(), problem, x, y, **dict(options, y_release="ascent", lr_y=0.1,
+                                                     clip={**options["clip"], "y": 1.0}))
+    assert type(ascent) is PrivateDiff and ascent.y_sensitivity is None
+
+    class Counting(PrivateDiff):
+        def _release_y(self) -> int:  # overrides the variant's method of the same name
+            self.y_releases = getattr(self, "y_releases", 0) + 1
+            return super()._release_y()
+
+    mine, again = (Counting(mlp(), problem, x, y, lr=0.3, y_release="output", runtime=seeded(), **options)
+                   for _ in range(2))
+    assert isinstance(mine, Counting) and isinstance(mine, PrivateDiffOutputY)
+    assert type(mine) is type(again) and type(mine).__qualname__ == Counting.__qualname__  # made once
+    assert mine.binding() == plain.binding()
+    plain.run(progress=False)
+    mine.run(progress=False)
+    assert mine.y_releases == 3  # the user's override ran once a round, ahead of the variant's
+    torch.testing.assert_close(mine.y, plain.y, rtol=0, atol=0)  # and the variant's release ran under it
+    for a, b in zip(mine.params, plain.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="y_release"):
+        PrivateDiffOutputY(mlp(), problem, x, y, lr=0.3, y_release="ascent", lr_y=0.1,
+                           **dict(options, clip={**options["clip"], "y": 1.0}))
 
 
 def test_bad_inputs(data):

@@ -1,27 +1,58 @@
-"""One home per algorithm: each module holds its algorithm's registry entry
-(:class:`dpvr.registry.AlgorithmSpec`, registered from that module), its settings schema (a frozen dataclass
-whose fields are the settings, from which the entry's arguments are derived), the theorem-derived defaults it
-binds (:attr:`AlgorithmSpec.rules`, the formulas in :mod:`dpvr.algorithms.theorems`), what it supports under
-data parallelism (:attr:`AlgorithmSpec.data_parallel`) and its audit games.
+"""One home per algorithm: each is a package whose ``__init__`` registers its entry
+(:class:`dpvr.registry.AlgorithmSpec`) with its settings schema (a frozen dataclass whose fields are the
+settings, from which the entry's arguments are derived), the theorem-derived defaults it binds
+(:attr:`AlgorithmSpec.rules`, the formulas in :mod:`dpvr.algorithms.theorems`) and what it supports under data
+parallelism (:attr:`AlgorithmSpec.data_parallel`); its ``algorithm`` module holds the class that runs it, and
+its ``audit`` module its audit games. Machinery a family shares sits beside them
+(:mod:`~dpvr.algorithms.minimax`, :mod:`~dpvr.algorithms.spider`); what every algorithm is built from is
+:mod:`dpvr.optim`.
 
 Importing ``dpvr`` imports this package, so :data:`dpvr.registry.REGISTRY` lists the built-in algorithms in
-the order below (the order the command line lists them). An algorithm defined outside dpvr is one module of
-the same shape, calling :func:`dpvr.registry.register`.
-
-The classes that run the algorithms stay in :mod:`dpvr.optim` for now, named by import path
-(``"dpvr.optim:DIFF2"``) and imported on demand: this package imports no torch, so ``dpvr account`` starts
-without it.
+the order below (the order the command line lists them). The entries import no torch (so ``dpvr account``
+starts without it): an entry names its class by import path, and the classes exported here are imported on
+first access (PEP 562). An algorithm defined outside dpvr is a module of the same shape, calling
+:func:`dpvr.registry.register`.
 """
 
+# ruff: noqa: I001
+import importlib
+
 # Each registers its algorithm when imported, in the command line's order (not sorted).
-from . import (  # noqa: I001, F401
-    dp_sgd,
-    dp_gd,
-    diff2,
-    dp_sgda,
-    private_diff,
-    double_spider,
-    recursive_spider,
-    phased,
-    last_iterate,
-)
+from . import dp_sgd  # noqa: F401
+from . import dp_gd  # noqa: F401
+from . import diff2  # noqa: F401
+from . import dp_sgda  # noqa: F401
+from . import private_diff  # noqa: F401
+from . import double_spider  # noqa: F401
+from . import recursive_spider  # noqa: F401
+from . import phased  # noqa: F401
+from . import last_iterate  # noqa: F401
+
+# Public class -> the module that defines it, imported on first access (the classes import torch).
+_CLASSES = {
+    "DPSGD": "dp_sgd.algorithm",
+    "LastIterateDPSGD": "dp_sgd.algorithm",
+    "DPGD": "dp_gd.algorithm",
+    "DIFF2": "diff2.algorithm",
+    "DIFF2BVRLSGD": "diff2.algorithm",
+    "MinimaxAlgorithm": "minimax",
+    "DPSGDA": "dp_sgda.algorithm",
+    "PrivateDiff": "private_diff.algorithm",
+    "PrivateDiffOutputY": "private_diff.algorithm",
+    "DoubleSpider": "double_spider.algorithm",
+    "RecursiveSpider": "recursive_spider.algorithm",
+    "PhasedOutputPerturbation": "phased.algorithm",
+    "PhasedResult": "phased.algorithm",
+    "CertificateError": "phased.problem",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _CLASSES:
+        value = getattr(importlib.import_module(f"{__name__}.{_CLASSES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_CLASSES)

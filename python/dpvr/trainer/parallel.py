@@ -65,9 +65,10 @@ Refused under a process group, each because a release's data-dependent part is n
 
 - ``private-diff`` with ``y_release="output"``: ``y_hat`` is the output of a certified float64 solve of the
   inner problem over every record's model output; its iterations and stopping rule depend on the data, and
-  its rounding allowance (:class:`~dpvr.optim.minimax.YRounding`) assumes one pairwise-summation tree over
-  the ``n`` records in one process. Solved per process it would release P different values under the same
-  noise; solved on every process from gathered outputs it would rely on bitwise-identical float solves.
+  its rounding allowance (:class:`~dpvr.algorithms.private_diff.rounding.YRounding`) assumes one
+  pairwise-summation tree over the ``n`` records in one process. Solved per process it would release P
+  different values under the same noise; solved on every process from gathered outputs it would rely on
+  bitwise-identical float solves.
 - ``last-iterate`` with ``clipping=False``: it asserts every per-example gradient norm of the batch is at
   most ``C``, from norms each process holds only for its share.
 - a model already wrapped in ``DistributedDataParallel``: its own gradient all-reduce would run beside
