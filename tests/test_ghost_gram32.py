@@ -88,7 +88,8 @@ def test_the_upper_bound_covers_the_exact_norm(kind, steps) -> None:
     g_p, g_q, _, _, coef_r = norms.gram32_constants(steps, p, q, 0.0)
     worst = (g_p + g_q) * (1 + max(g_p, g_q)) + coef_r
     assert (bound <= 1.001 * worst * magnitude(m, n) ** 2).all()
-    torch.testing.assert_close(r, magnitude(m, n), rtol=1e-12, atol=0)
+    # R from the diagonal entries: an upper bound on sum_t ||m_t|| ||n_t||, within float32 rounding of it
+    assert (r >= magnitude(m, n)).all() and (r <= magnitude(m, n) * (1 + g_p + g_q)).all()
     if kind == "random":  # uncorrelated steps: the weighted form keeps the allowance near (p + q) u ||u||^2
         assert (bound <= exact * (g_p + g_q) * (2 + 2 * steps / math.sqrt(min(p, q)))).all()
         assert (bound <= 4e-4 * exact).all()  # 512 steps, p + q = 64: measured 2.8e-4 to 3.0e-4

@@ -192,8 +192,7 @@ def gram32_constants(steps: int, p: int, q: int, reduced: float) -> tuple[float,
     for width in (p, q):
         gamma = _gamma(width, U32)
         gw = ((1.0 + reduced) ** 2 * (1.0 + gamma) - 1.0) * (1.0 + 8.0 * U64)
-        kappa = (5.0 * width + 1.0) * TINY32 * (1.0 + gamma) * (1.0 + reduced) * (1.0 + 8.0 * U64)
-        ratio = kappa / gw
+        ratio = _kappa(width, gw) / gw
         g.append(gw)
         shifts.append(max(ratio, math.sqrt(ratio)) * (1.0 + 8.0 * U64))
     g_p, g_q = g
@@ -206,11 +205,12 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
     """An Outer part's squared norms from float32 Gram blocks: float64 ``(value, bound, R)`` per sample,
     with ``exact <= value + bound`` (``exact``: the squared Frobenius norm of ``u_i = sum_t b_t a_t^T`` of
     the stored float32 pieces, ``a_t`` the ``p``-wide activations and ``b_t`` the ``q``-wide gradients of
-    step ``t`` of all pieces, ``K`` steps) and ``R = sum_t ||a_t|| ||b_t||`` (the magnitude
-    :func:`write_error` reads, computed as :func:`dpvr.ops.ghost_norms` does). NaN where the data is not
-    finite; where the data is finite but a float32 Gram entry overflows, the float64 form of the torch path
-    (:func:`_term`) replaces the sample's value and bound. ``scratch``: bytes the blocks may use (default
-    :data:`~dpvr.grads.ghost.cost.GRAM32_SCRATCH`; at least one sample's largest pair of blocks is used).
+    step ``t`` of all pieces, ``K`` steps) and an upper bound on ``R = sum_t ||a_t|| ||b_t||`` (the
+    magnitude :func:`write_error` reads). Where a float32 Gram entry is not finite (the data is not, or an
+    entry overflows), the float64 form of the torch path (:func:`_term`) gives the sample's value and bound
+    (NaN for data that is not finite), and ``R`` is computed from the data in float64. ``scratch``: bytes
+    the blocks may use (default :data:`~dpvr.grads.ghost.cost.GRAM32_SCRATCH`; at least one sample's
+    largest pair of blocks is used).
 
     The identity: ``||u_i||^2 = sum_{s,t} G_st H_st`` with ``G = A A^T`` (``G_st = a_s . a_t``) and
     ``H = B B^T``. Each piece's steps are cut into blocks of at most
@@ -231,8 +231,11 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
        by less than ``mu`` (a flushed denormal). With ``||x||_1 <= sqrt(p) ||x||`` this gives
        ``|G^_st - G_st| <= g_p ||a_s|| ||a_t|| + kappa_p (||a_s|| + ||a_t|| + 1)``, where
        ``g_p = (1 + u')^2 (1 + gamma_p) - 1`` and ``kappa_p = (5 p + 1) mu (1 + gamma_p) (1 + u')``. With
-       ``c_p = max(kappa_p / g_p, sqrt(kappa_p / g_p))`` and ``alpha_t = ||a_t|| + c_p`` it is at most
-       ``g_p alpha_s alpha_t``; likewise ``|H^_st - H_st| <= g_q beta_s beta_t``. No overflow occurred
+       ``c_p = max(kappa_p / g_p, sqrt(kappa_p / g_p))`` and ``alpha_t >= ||a_t|| + c_p`` it is at most
+       ``g_p alpha_s alpha_t``; likewise ``|H^_st - H_st| <= g_q beta_s beta_t``. The norms come from the
+       diagonal entries, with no pass of their own: at ``s = t`` the inequality says ``(1 - g_p) x^2 -
+       2 kappa_p x - (kappa_p + G^_tt) <= 0`` for ``x = ||a_t||``, so ``x <= (kappa_p + sqrt(kappa_p^2 +
+       (1 - g_p) (kappa_p + G^_tt))) / (1 - g_p)``, evaluated in float64 and rounded up. No overflow occurred
        when ``G^_st`` is finite (an infinite partial sum or product stays infinite or becomes NaN), and a
        non-finite entry makes the sample's value non-finite (it is then recomputed, above).
     2. The float64 products ``G^_st H^_st`` of two float32 numbers are exact (48 significant bits, and
@@ -246,10 +249,10 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
 
        with ``W_a = sum_{s,t} alpha_s alpha_t |H^_st|`` and ``W_b = sum_{s,t} beta_s beta_t |G^_st|``,
        computed in float64 from the same blocks (non-negative terms: the computed sums, times
-       ``1 + 2 (n + 8) u64``, bound the exact ones from above). ``W_a <= (1 + g_q) R'^2`` always, and it is
-       near ``||u_i||^2`` where the steps are uncorrelated (``|H_st|`` small off the diagonal), so the
-       allowance is about ``(g_p + g_q) ||u_i||^2`` there instead of ``(g_p + g_q) R^2 ~ K (g_p + g_q)
-       ||u_i||^2``. The float64 norms ``||a_t||`` and the sums giving ``alpha``, ``R'`` and ``W`` are
+       ``1 + 2 (n + 8) u64``, bound the exact ones from above). ``W_a <= (1 + g_q) R'^2`` always; where the
+       steps are uncorrelated the off-diagonal ``|H_st|`` are about ``1 / sqrt(q)`` of the diagonal ones,
+       so the allowance is about ``(g_p + g_q) (1 + K / sqrt(min(p, q))) ||u_i||^2`` there instead of the
+       ``K (g_p + g_q) ||u_i||^2`` of a bound by ``R^2``. The sums giving ``alpha``, ``R'`` and ``W`` are
        rounded up by explicit factors (``2 k u64`` for ``k`` roundings in a row).
 
     So ``value + bound >= exact``, and the clipper forms its factor from that upper bound, as from the native
@@ -267,50 +270,71 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
     device = pieces[0][0].device
     lengths = [m.shape[1] for m, _ in pieces]
     steps = sum(lengths)
-    reduced = reduced_precision_unit(False, device)
-    g_p, g_q, c_p, c_q, coef_r = gram32_constants(steps, p, q, reduced)
+    g_p, g_q, c_p, c_q, coef_r = gram32_constants(steps, p, q, reduced_precision_unit(False, device))
+    kappas = [_kappa(width, g) for width, g in ((p, g_p), (q, g_q))]
     chain = 2.0 * steps * steps + 8.0
-    # Per step, the float64 norms rounded up and shifted (alpha, beta); R without the shifts.
-    a_norm = torch.cat([torch.linalg.vector_norm(m, dim=2, dtype=torch.float64) for m, _ in pieces], dim=1)
-    b_norm = torch.cat([torch.linalg.vector_norm(n, dim=2, dtype=torch.float64) for _, n in pieces], dim=1)
-    r_plain = (a_norm * b_norm).sum(dim=1)
-    alpha = (a_norm + c_p) * (1.0 + 2.0 * (p + 8) * U64)
-    beta = (b_norm + c_q) * (1.0 + 2.0 * (q + 8) * U64)
-    r_shift = (alpha * beta).sum(dim=1) * (1.0 + 2.0 * (steps + 8) * U64)
     blocks: list[tuple[Tensor, Tensor, int]] = []  # (m block, n block, first step)
     first = 0
     for (m, n), length in zip(pieces, lengths):
         for s in range(0, length, GRAM32_BLOCK):
             blocks.append((m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], first + s))
         first += length
+    # The diagonal pairs first: they give the norms (alpha, beta) that every pair's bound reads.
+    pairs = [(i, i) for i in range(len(blocks))]
+    pairs += [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))]
     largest = max(mb.shape[1] for mb, _, _ in blocks)
     room = GRAM32_SCRATCH if scratch is None else min(float(scratch), GRAM32_SCRATCH)
     size = max(1, int(room // (GRAM32_ENTRY_BYTES * largest * largest)))
     value = torch.zeros(batch, dtype=torch.float64, device=device)
     w_a, w_b = torch.zeros_like(value), torch.zeros_like(value)
+    norms_ab = torch.zeros(2, batch, steps, dtype=torch.float64, device=device)  # upper bounds on the norms
     for lo in range(0, batch, size):
         s = slice(lo, min(lo + size, batch))
         b = s.stop - s.start
-        for i, (mi, ni, fi) in enumerate(blocks):
-            ai, bi = alpha[s, fi:fi + mi.shape[1]], beta[s, fi:fi + mi.shape[1]]
-            for mj, nj, fj in blocks[i:]:
-                aj, bj = alpha[s, fj:fj + mj.shape[1]], beta[s, fj:fj + mj.shape[1]]
-                weight = 1.0 if fj == fi else 2.0
-                g = torch.bmm(mi[s], mj[s].transpose(1, 2)).to(torch.float64)  # (b, Ti, Tj), widened
-                h = torch.bmm(ni[s], nj[s].transpose(1, 2)).to(torch.float64)
-                value[s] += weight * torch.bmm(g.view(b, 1, -1), h.view(b, -1, 1)).view(b)
-                g.abs_()
-                h.abs_()
-                w_a[s] += weight * torch.bmm(torch.bmm(ai.unsqueeze(1), h), aj.unsqueeze(2)).view(b)
-                w_b[s] += weight * torch.bmm(torch.bmm(bi.unsqueeze(1), g), bj.unsqueeze(2)).view(b)
-    up = 1.0 + 2.0 * (chain + 8.0) * U64
+        for i, j in pairs:
+            (mi, ni, fi), (mj, nj, fj) = blocks[i], blocks[j]
+            g = torch.bmm(mi[s], mj[s].transpose(1, 2)).to(torch.float64)  # (b, Ti, Tj), widened exactly
+            h = torch.bmm(ni[s], nj[s].transpose(1, 2)).to(torch.float64)
+            if i == j:
+                for side, gram, kappa, width in ((0, g, kappas[0], g_p), (1, h, kappas[1], g_q)):
+                    norms_ab[side, s, fi:fi + mi.shape[1]] = _norms_from_diagonal(gram, kappa, width)
+            ai, aj = norms_ab[0, s, fi:fi + mi.shape[1]] + c_p, norms_ab[0, s, fj:fj + mj.shape[1]] + c_p
+            bi, bj = norms_ab[1, s, fi:fi + mi.shape[1]] + c_q, norms_ab[1, s, fj:fj + mj.shape[1]] + c_q
+            weight = 1.0 if i == j else 2.0
+            value[s] += weight * torch.bmm(g.view(b, 1, -1), h.view(b, -1, 1)).view(b)
+            g.abs_()
+            h.abs_()
+            w_a[s] += weight * torch.bmm(torch.bmm(ai.unsqueeze(1), h), aj.unsqueeze(2)).view(b)
+            w_b[s] += weight * torch.bmm(torch.bmm(bi.unsqueeze(1), g), bj.unsqueeze(2)).view(b)
+    # alpha + c and beta + c were each one float64 addition above the bounds: the 8 u64 below cover it.
+    r_shift = ((norms_ab[0] + c_p) * (norms_ab[1] + c_q)).sum(dim=1) * (1.0 + 2.0 * (steps + 8) * U64)
+    r_up = (norms_ab[0] * norms_ab[1]).sum(dim=1) * (1.0 + 2.0 * (steps + 8) * U64)
+    up = (1.0 + 2.0 * (chain + 8.0) * U64) * (1.0 + 8.0 * U64)
     bound = ((g_p * w_a + g_q * w_b) * up + coef_r * (r_shift * r_shift)) * (1.0 + 8.0 * U64)
-    overflow = ~torch.isfinite(value) & torch.isfinite(r_plain)
-    if bool(overflow.any()):  # a finite sample whose float32 Gram entries overflowed: in float64
-        rows = overflow.nonzero().squeeze(1)
-        v64, b64 = _term(Outer([(m[rows], n[rows]) for m, n in pieces]), "auto")
+    bad = ~torch.isfinite(value + bound)
+    if bool(bad.any()):  # not finite data, or float32 entries that overflowed: in float64
+        rows = bad.nonzero().squeeze(1)
+        sub = [(m[rows], n[rows]) for m, n in pieces]
+        v64, b64 = _term(Outer(sub), "auto")
+        r64 = sum((torch.linalg.vector_norm(m, dim=2, dtype=torch.float64)
+                   * torch.linalg.vector_norm(n, dim=2, dtype=torch.float64)).sum(dim=1) for m, n in sub)
         value, bound = value.index_put((rows,), v64), bound.index_put((rows,), b64)
-    return value, bound, r_plain
+        r_up = r_up.index_put((rows,), r64)
+    return value, bound, r_up
+
+
+def _kappa(width: int, g: float) -> float:
+    """``kappa`` of :func:`gram32_term`'s step 1 for a side of ``width`` entries (``g``: its ``g_p``; the
+    factor ``1 + g`` covers ``(1 + gamma_p) (1 + u')``)."""
+    return (5.0 * width + 1.0) * TINY32 * (1.0 + g) * (1.0 + 8.0 * U64)
+
+
+def _norms_from_diagonal(gram: Tensor, kappa: float, g: float) -> Tensor:
+    """Float64 upper bounds on the norms ``x_t`` of a diagonal block's steps from its float32 entries
+    ``G^_tt`` (:func:`gram32_term`, step 1): ``(kappa + sqrt(kappa^2 + (1 - g) (kappa + G^_tt))) / (1 - g)``,
+    each of its six roundings covered by the final factor."""
+    d = gram.diagonal(dim1=1, dim2=2).clamp(min=0)
+    return (kappa + torch.sqrt(kappa * kappa + (1.0 - g) * (kappa + d))) / (1.0 - g) * (1.0 + 16.0 * U64)
 
 
 def gram32_terms(parts: Sequence[Outer]) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
