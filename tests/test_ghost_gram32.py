@@ -255,7 +255,7 @@ def test_the_prediction_follows_the_formula() -> None:
     got = cost.predict(b, t, p, q, 4, RATES, budget=1e9)["gram32"]
     blocks = [128, 128, 44]
     pairs = (sum(blocks) ** 2 + sum(k * k for k in blocks)) / 2
-    traffic = b * pairs * cost.GRAM32_ENTRY_TRAFFIC + 4.0 * b * t * (p + q) * (len(blocks) + 3)
+    traffic = b * pairs * cost.GRAM32_ENTRY_TRAFFIC + 4.0 * b * t * (p + q) * (len(blocks) + 1)
     expected = 2 * b * pairs * (p + q) / RATES.matmul32 + traffic / RATES.bandwidth \
         + 2 * b * t * p * q / RATES.matmul64
     assert got == pytest.approx(expected, rel=1e-12)

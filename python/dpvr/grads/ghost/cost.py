@@ -138,9 +138,8 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
     if itemsize == 4 and gram32_fits(steps, p, q, budget):
         blocks = gram32_blocks([steps])
         pairs = (sum(blocks) ** 2 + sum(k * k for k in blocks)) / 2.0  # Gram entries of the pairs I <= J
-        # the float32 blocks of both sides; their float64 passes; each pair reads its blocks' inputs, and
-        # the norms of every step are read once more
-        traffic = b * pairs * GRAM32_ENTRY_TRAFFIC + 4.0 * b * t * (p + q) * (len(blocks) + 3)
+        # the float32 blocks of both sides and their float64 passes; each pair reads its blocks' inputs
+        traffic = b * pairs * GRAM32_ENTRY_TRAFFIC + 4.0 * b * t * (p + q) * (len(blocks) + 1)
         gram32 = 2.0 * b * pairs * (p + q) / rates.matmul32 + traffic / rates.bandwidth + float64_sum
     return {"materialise": materialise, "gram": gram, "direct": direct, "chunked": chunked, "gram32": gram32}
 
