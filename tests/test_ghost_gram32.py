@@ -113,6 +113,13 @@ def test_the_bound_holds_across_pieces_blocks_and_chunks(monkeypatch) -> None:
     torch.testing.assert_close(cut[0], whole[0], rtol=1e-6, atol=0)
 
 
+def test_no_steps() -> None:
+    """A part whose steps were all left out (every output gradient zero) has norm 0 exactly."""
+    value, bound, r = norms.gram32_term(Outer([(torch.zeros(3, 0, 4), torch.zeros(3, 0, 5))], 6))
+    assert value.tolist() == bound.tolist() == r.tolist() == [0.0] * 3
+    assert cost.gram32_min_scratch([0]) == 0.0
+
+
 def test_the_rounding_allowance_is_needed() -> None:
     """On steps that cancel, the raw float32 Gram value falls below the exact squared norm, by far more than
     the clip margin; only the priced allowance covers it. Drop the allowance and this test fails."""

@@ -160,7 +160,7 @@ def gram32_blocks(steps: list[int]) -> list[int]:
 
 def gram32_min_scratch(steps: list[int]) -> float:
     """The least scratch (bytes) of the float32 Gram form: one sample's largest pair of blocks."""
-    largest = max(gram32_blocks(steps))
+    largest = max(gram32_blocks(steps), default=0)
     return float(GRAM32_ENTRY_BYTES * largest * largest)
 
 

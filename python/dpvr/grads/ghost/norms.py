@@ -279,13 +279,15 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
         for s in range(0, length, GRAM32_BLOCK):
             blocks.append((m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], first + s))
         first += length
+    value = torch.zeros(batch, dtype=torch.float64, device=device)
+    if not blocks:  # no step carries anything (every output gradient was zero): u_i = 0 exactly
+        return value, torch.zeros_like(value), torch.zeros_like(value)
     # The diagonal pairs first: they give the norms (alpha, beta) that every pair's bound reads.
     pairs = [(i, i) for i in range(len(blocks))]
     pairs += [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))]
     largest = max(mb.shape[1] for mb, _, _ in blocks)
     room = GRAM32_SCRATCH if scratch is None else min(float(scratch), GRAM32_SCRATCH)
     size = max(1, int(room // (GRAM32_ENTRY_BYTES * largest * largest)))
-    value = torch.zeros(batch, dtype=torch.float64, device=device)
     w_a, w_b = torch.zeros_like(value), torch.zeros_like(value)
     norms_ab = torch.zeros(2, batch, steps, dtype=torch.float64, device=device)  # upper bounds on the norms
     for lo in range(0, batch, size):
