@@ -5,7 +5,8 @@ import torch
 
 import dpvr
 from dpvr import PaperSigmas
-from dpvr.optim import DIFF2, DPGD, BudgetExhaustedError, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DIFF2, DIFF2BVRLSGD, DPGD
+from dpvr.optim import BudgetExhaustedError, PrivacyConfig, RuntimeConfig
 from dpvr.optim.estimator import global_norm
 
 TINY = 1e-100  # noise this small is absorbed by float64 rounding: the run is noise-free
@@ -365,7 +366,7 @@ def test_no_two_random_choices_share_a_generator():
     from different generator states, and a choice's stream depends on its label."""
     import numpy as np
 
-    from dpvr.optim.diff2 import choice_generator
+    from dpvr.algorithms.diff2.algorithm import choice_generator
 
     def first_words(g):
         return tuple(g.bit_generator.random_raw(4).tolist())
@@ -387,3 +388,64 @@ def test_no_two_random_choices_share_a_generator():
                 runtime=RuntimeConfig(generator=gen(), sampler_seed=5))
     states = [str(s._rng.bit_generator.state["state"]) for s in alg.samplers]
     assert len(set(states)) == len(alg.samplers) == 3
+
+
+BVR = dict(
+    lr=0.2, steps=6, restart=3, clip={"restart": 0.5, "difference": 1.0, "local": 1.0},
+    noise=PaperSigmas(restart=0.01, difference=0.02, local=0.05), local_steps=3, local_batch=4,
+)  # fmt: skip
+GD = dict(lr=0.2, steps=6, restart=3, clip={"restart": 0.5, "difference": 1.0},
+          noise=PaperSigmas(restart=0.01, difference=0.02))
+
+
+def _run(cls, clients, **options):
+    alg = cls(model_fn(), loss, clients, **options, runtime=RuntimeConfig(generator=gen(7), sampler_seed=3))
+    alg.run(progress=False)
+    return alg
+
+
+def test_the_routine_is_a_subclass_chosen_at_construction(clients):
+    gd = _run(DIFF2, clients, **GD)
+    assert type(gd) is DIFF2 and gd.routine == "gd" and gd.samplers == []
+    chosen = _run(DIFF2, clients, **BVR, routine="bvr-l-sgd")
+    assert type(chosen) is DIFF2BVRLSGD and isinstance(chosen, DIFF2) and chosen.routine == "bvr-l-sgd"
+    assert len(chosen.samplers) == 3
+    # The subclass constructed directly is the same run: same binding (its name stays DIFF2, so checkpoints
+    # of either load into the other), bit-identical iterates and the same epsilon.
+    direct = _run(DIFF2BVRLSGD, clients, **BVR)
+    assert direct.binding() == chosen.binding() and direct.binding()["algorithm"] == "DIFF2"
+    for a, b in zip(direct.params, chosen.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert direct.privacy_spent().epsilon == chosen.privacy_spent().epsilon
+    runtime = RuntimeConfig(generator=gen(1), sampler_seed=3)
+    resumed = DIFF2BVRLSGD(model_fn(), loss, clients, **BVR, runtime=runtime)
+    resumed.load_state_dict(chosen.state_dict())
+    assert resumed.steps_done == 6
+    with pytest.raises(ValueError, match="DIFF2BVRLSGD runs 'bvr-l-sgd', got 'gd'"):
+        DIFF2BVRLSGD(model_fn(), loss, clients, **GD, routine="gd")
+
+
+@pytest.mark.parametrize("routine", ["gd", "bvr-l-sgd"])
+def test_a_user_subclass_keeps_its_own_methods_under_both_routines(clients, routine):
+    class Counting(DIFF2):
+        """A user's DIFF2 overriding a hook both routines run and one only BVR-L-SGD gives content."""
+
+        def _server_round(self, r, restart):
+            self.rounds = getattr(self, "rounds", 0) + 1
+            return super()._server_round(r, restart)
+
+        def _local_steps(self, r):
+            self.local_calls = getattr(self, "local_calls", 0) + 1
+            return super()._local_steps(r)
+
+    options = GD if routine == "gd" else dict(BVR, routine=routine)
+    mine = _run(Counting, clients, **options)
+    assert isinstance(mine, Counting) and type(mine).__name__ == "Counting"
+    assert mine.rounds == mine.local_calls == 6
+    assert isinstance(mine, DIFF2BVRLSGD) == (routine == "bvr-l-sgd")
+    # Its overrides call through to the routine's own steps: the run is the plain class's, bit for bit.
+    plain = _run(DIFF2, clients, **options)
+    for a, b in zip(mine.params, plain.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The user's BVR-L-SGD form is made once.
+    assert type(_run(Counting, clients, **options)) is type(mine)
