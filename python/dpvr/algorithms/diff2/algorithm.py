@@ -245,10 +245,11 @@ class DIFF2(PrivateAlgorithm):
     Raises:
         ValueError: ``privacy.neighbouring="add-remove"`` (the shard sizes divide the means: replace-one
             only); no clients, or a client with empty or mismatched inputs and targets; an unknown
-            ``routine``; ``local_steps != 1`` with ``"gd"``; ``"bvr-l-sgd"`` without ``local_steps >= 2`` and
-            ``local_batch``; an ``output`` other than ``"last"``, or ``"random"`` with ``"bvr-l-sgd"``;
-            ``optimizer`` with ``"bvr-l-sgd"``; a bad ``lr``; ``clip`` without exactly the routine's streams,
-            or a radius ``<= 0``; noise that is neither given nor calibratable.
+            ``routine`` (or ``"gd"`` given to :class:`DIFF2BVRLSGD`); ``local_steps != 1`` with ``"gd"``;
+            ``"bvr-l-sgd"`` without ``local_steps >= 2`` and ``local_batch``; an ``output`` other than
+            ``"last"``, or ``"random"`` with ``"bvr-l-sgd"``; ``optimizer`` with ``"bvr-l-sgd"``; a bad
+            ``lr``; ``clip`` without exactly the routine's streams, or a radius ``<= 0``; noise that is
+            neither given nor calibratable.
         TypeError: ``clients`` given as one ``(inputs, targets)`` pair or one ``Records`` (wrap it in a
             list), ``clip`` not a mapping, or ``privacy``/``runtime``/``optimizer`` of the wrong type.
 
