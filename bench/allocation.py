@@ -23,7 +23,8 @@ from scipy import stats
 from dpvr.data import PublicScaling, load, split_clients, split_public
 from dpvr.objectives import AUCMargin
 from dpvr.ops import NoiseGenerator
-from dpvr.optim import DIFF2, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DIFF2, PrivateDiff
 from dpvr.privacy import calibrate, events
 from dpvr.privacy.allocation import stream_dimensions
 from dpvr_lab.experiments import auc

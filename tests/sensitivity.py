@@ -56,21 +56,20 @@ from torch import nn
 import dpvr
 import dpvr.ops
 from dpvr import registry
-from dpvr.objectives import KL, AUCMargin, AUCModel, ChiSquare, LogisticRegression
-from dpvr.objectives.dro import cross_entropy
-from dpvr.optim import (
+from dpvr.algorithms import (
     DIFF2,
     DPGD,
     DPSGD,
     DPSGDA,
     DoubleSpider,
+    LastIterateDPSGD,
     PhasedOutputPerturbation,
-    PrivacyConfig,
-    PrivateAlgorithm,
     PrivateDiff,
     RecursiveSpider,
-    RuntimeConfig,
 )
+from dpvr.objectives import KL, AUCMargin, AUCModel, ChiSquare, LogisticRegression
+from dpvr.objectives.dro import cross_entropy
+from dpvr.optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import events
 from dpvr.privacy.accountant import event_to_dict
@@ -769,7 +768,7 @@ def accounting_problems(
         mine = [r for r in releases if r.stream == stream]
         entries = [e for e in ledger if stream in e["streams"]]
         distinct = {json.dumps(e["event"], sort_keys=True): e for e in entries}
-        if getattr(alg, "last_iterate_only", False):
+        if isinstance(alg, LastIterateDPSGD):
             problems += _last_iterate_problems(alg, stream, mine, entries)
             continue
         # one charge per release that can read the record exposed to the most releases
@@ -811,7 +810,7 @@ def accounting_problems(
                             f"step {r.step}, stream {stream!r}: released without drawing a batch "
                             f"but charged as sampled ({event['type']})"
                         )
-    if complete_plan and alg.steps_done == alg.total_steps and not getattr(alg, "last_iterate_only", False):
+    if complete_plan and alg.steps_done == alg.total_steps and not isinstance(alg, LastIterateDPSGD):
         problems += _plan_problems(alg)
     return problems
 
@@ -940,7 +939,7 @@ def older_resume_problems(spec: Algorithm, config: Config, data: Data, at: int) 
         try:
             resumed.load_checkpoint(path)
         except ValueError as refused:
-            if getattr(resumed, "last_iterate_only", False) and "second trajectory" in str(refused):
+            if isinstance(resumed, LastIterateDPSGD) and "second trajectory" in str(refused):
                 return None
             raise
         first_branch = tape.draws[branch_start:]

@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dpvr import ops
-from dpvr.optim import DPGD, DPSGD, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DPGD, DPSGD
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.optim import gradients as engine
 from dpvr.optim.gradients import ClippedGradients, accumulators
 from dpvr.optim.sampling import BatchSampler

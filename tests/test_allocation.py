@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from dpvr.optim import DIFF2, PrivacyConfig
+from dpvr.algorithms import DIFF2
+from dpvr.optim import PrivacyConfig
 from dpvr.privacy import DIFF2Plan, DPSGDPlan, PrivateDiffPlan, account, calibrate
 from dpvr.privacy.allocation import proxy, stream_dimensions
 
@@ -174,8 +175,8 @@ def test_output_y_is_weighted_by_its_sensitivity_so_auto_moves_budget_to_x():
     unit in the proxy, shares="auto" gives x a smaller noise multiplier than equal shares do."""
     from torch import nn
 
+    from dpvr.algorithms import PrivateDiff
     from dpvr.objectives import AUCMargin, AUCModel
-    from dpvr.optim import PrivateDiff
 
     torch.manual_seed(0)
     x, y = torch.rand(400, 6), (torch.rand(400) < 0.5).long()

@@ -10,9 +10,21 @@ import pytest
 import torch
 
 from dpvr import ops
+from dpvr.algorithms import DIFF2, DPGD, DPSGD, DoubleSpider, PrivateDiff, RecursiveSpider
+from dpvr.algorithms.diff2.audit import diff2_gd
+from dpvr.algorithms.double_spider.audit import double_spider, double_spider_difference, double_spider_eta
+from dpvr.algorithms.dp_gd.audit import dp_gd
+from dpvr.algorithms.dp_sgda.audit import dp_sgda
+from dpvr.algorithms.last_iterate.audit import last_iterate
+from dpvr.algorithms.private_diff.audit import private_diff, private_diff_difference, private_diff_y_output
+from dpvr.algorithms.recursive_spider.audit import (
+    recursive_spider,
+    recursive_spider_difference,
+    recursive_spider_s,
+    recursive_spider_u,
+)
 from dpvr.audit import (
     DEFAULT_DELTA,
-    TARGETS,
     audit,
     clopper_pearson,
     epsilon_from_rates,
@@ -20,26 +32,10 @@ from dpvr.audit import (
     one_run_lower_bound,
     threshold_lower_bound,
 )
-from dpvr.audit.targets import (
-    TABLE,
-    diff2_gd,
-    double_spider,
-    double_spider_difference,
-    double_spider_eta,
-    dp_gd,
-    dp_sgda,
-    last_iterate,
-    private_diff,
-    private_diff_difference,
-    private_diff_y_output,
-    recursive_spider,
-    recursive_spider_difference,
-    recursive_spider_s,
-    recursive_spider_u,
-)
+from dpvr.audit.targets import games
 from dpvr.cli import main
 from dpvr.grads import per_sample_grads_at_two_points
-from dpvr.optim import DIFF2, DPGD, DPSGD, DoubleSpider, PrivateDiff, RecursiveSpider
+from dpvr.registry import audit_games, audit_targets
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence chatter
 
@@ -78,7 +74,7 @@ def test_one_run_bound():
 
 
 @pytest.mark.slow  # a minute in all; the power tests below (broken variants caught) run by default
-@pytest.mark.parametrize("name", sorted(TARGETS))
+@pytest.mark.parametrize("name", sorted(audit_targets()))
 def test_every_algorithm_audits_below_its_claim(name):
     """Honest runs of every game stay below their claim (with this few trials the bound has little power:
     the deliberately broken variants below are what shows the audit catches bugs)."""
@@ -90,19 +86,22 @@ def test_every_algorithm_audits_below_its_claim(name):
         "recursive-spider-u",
     )
     trials = 60 if name in sampled else 200  # sampled accounting is the slow part
-    result = audit(TARGETS[name].make(), trials, seed=5)
+    result = audit(audit_targets()[name].make(), trials, seed=5)
     assert 0 < result.claimed_epsilon < 2.5
     assert result.epsilon_lower_bound <= result.claimed_epsilon
 
 
 def test_every_row_builds_its_game_under_a_name_of_its_own():
-    """Two rows of one name would leave one out of TARGETS; every row builds its game (calibrating its
-    noise), and the games' names, which an audit's results carry, differ too."""
-    names = [target.name for target in TABLE]
-    assert len(set(names)) == len(names) and set(names) == set(TARGETS)
-    games = [target.make() for target in TABLE]
-    assert all(callable(game.play) and game.delta == DEFAULT_DELTA for game in games)
-    assert len({game.name for game in games}) == len(games)
+    """Every algorithm's GAMES holds the games its entry declares, under their own names (two rows of one
+    name are refused); every row builds its game (calibrating its noise), and the games' names, which an
+    audit's results carry, differ too."""
+    targets = audit_targets()
+    assert set(targets) == set(audit_games()) and all(name == t.name for name, t in targets.items())
+    with pytest.raises(ValueError, match="two audit games are named 'dp-gd'"):
+        games(*[targets["dp-gd"]] * 2)
+    games_ = [target.make() for target in targets.values()]
+    assert all(callable(game.play) and game.delta == DEFAULT_DELTA for game in games_)
+    assert len({game.name for game in games_}) == len(games_)
 
 
 DOUBLE_SPIDER = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpvr
-from dpvr.optim import DPSGD
+from dpvr.algorithms import DPSGD
 from dpvr.optim.gradients import ClippedGradients, check_loss
 
 CASES = textwrap.dedent(
@@ -217,9 +217,10 @@ def test_an_algorithm_on_all_nan_data_warns_once():
 def test_client_pool_sends_lambdas_with_cloudpickle_or_names_the_fix(monkeypatch):
     pytest.importorskip("cloudpickle")  # in the test extra: the path users who have it take
     from dpvr import PaperSigmas
+    from dpvr.algorithms import DIFF2
     from dpvr.distributed import ClientPool
     from dpvr.ops import torch_threads
-    from dpvr.optim import DIFF2, RuntimeConfig
+    from dpvr.optim import RuntimeConfig
 
     def model_fn(activation):
         torch.manual_seed(1)

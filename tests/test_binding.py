@@ -9,7 +9,8 @@ import torch
 
 import dpvr
 from dpvr import registry
-from dpvr.optim import DIFF2, DPGD, DPSGD, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DIFF2, DPGD, DPSGD
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.optim.guard import PrivacyGuard, resolve_noise
 from test_registry import FRONT_DOOR
 

@@ -8,7 +8,8 @@ import torch
 
 import dpvr
 from dpvr import PaperSigmas
-from dpvr.optim import DIFF2, DPSGD, BudgetExhaustedError, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DIFF2, DPSGD
+from dpvr.optim import BudgetExhaustedError, PrivacyConfig, RuntimeConfig
 
 
 def data(n=24, d=3, seed=0):

@@ -17,7 +17,8 @@ from torch import nn
 import dpvr
 import sensitivity as harness
 from dpvr import registry
-from dpvr.optim import DPSGD, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DPSGD
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.optim.clipping import split_noise
 from dpvr.trainer.parallel import DataParallel
 from sensitivity import ADD_REMOVE, ALGORITHMS, REPLACE_ONE

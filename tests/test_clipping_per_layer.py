@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import dpvr
+from dpvr.algorithms import DPSGD
 from dpvr.grads import GhostClipper
 from dpvr.grads.layer_clip import LayerRadii, layer_radii
-from dpvr.optim import DPSGD, RuntimeConfig
+from dpvr.optim import RuntimeConfig
 from dpvr.optim.gradients import ClippedGradients
 
 B = 12

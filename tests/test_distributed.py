@@ -12,10 +12,11 @@ import torch
 
 import dpvr
 from dpvr import PaperSigmas
+from dpvr.algorithms import DIFF2
 from dpvr.distributed import ClientPool, DistributedError, launch
 from dpvr.distributed.protocol import KEY_BYTES, pack_run, unpack_run
 from dpvr.ops import torch_threads
-from dpvr.optim import DIFF2, RuntimeConfig
+from dpvr.optim import RuntimeConfig
 from dpvr.optim.base import read_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")

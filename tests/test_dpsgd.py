@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dpvr
-from dpvr.optim import DPGD, DPSGD, L1, BudgetExhaustedError, ElasticNet, L2Ball, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DPGD, DPSGD
+from dpvr.optim import L1, BudgetExhaustedError, ElasticNet, L2Ball, PrivacyConfig, RuntimeConfig
 from dpvr.privacy import Accountant
 from dpvr.privacy.last_iterate import CyclicDPSGDPlan
 
@@ -257,7 +258,7 @@ def test_cyclic_composition_accounting_counts_the_passes_started():
 def test_cyclic_sampling_constructs_the_last_iterate_subclass():
     """The last-iterate variant is a subclass chosen at construction (not a flag): DPSGD(sampling="cyclic")
     is a LastIterateDPSGD, the other schemes and DPGD are not, and neither class runs the other's scheme."""
-    from dpvr.optim import LastIterateDPSGD
+    from dpvr.algorithms import LastIterateDPSGD
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(20, 3, generator=g), torch.randn(20, generator=g)

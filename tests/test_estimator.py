@@ -9,20 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from dpvr.algorithms import DIFF2, DPSGD, DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import (
-    DIFF2,
-    DPSGD,
-    DPSGDA,
     ClippedSum,
     DifferenceEstimator,
     DivergedError,
-    DoubleSpider,
     Iterate,
     PrivacyConfig,
-    PrivateDiff,
     Radius,
-    RecursiveSpider,
     RuntimeConfig,
 )
 from dpvr.optim.config import stream_clips

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import dpvr
+from dpvr.algorithms import DIFF2
 from dpvr.cli import main
 from dpvr.cli.experiment import parse
-from dpvr.optim import DIFF2, PrivacyConfig, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr_lab.experiments import diff2
 from dpvr_lab.experiments.common import metric, one_sided_ttest
 

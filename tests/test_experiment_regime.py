@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import dpvr
-from dpvr.optim import DIFF2, DPGD, RuntimeConfig
+from dpvr.algorithms import DIFF2, DPGD
+from dpvr.optim import RuntimeConfig
 from dpvr_lab.experiments import regime
 from dpvr_lab.experiments.regime import Problem, dphi, phi, run_diff2, run_dpgd
 

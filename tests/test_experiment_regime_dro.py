@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import dpvr
+from dpvr.algorithms import DPGD, RecursiveSpider
 from dpvr.objectives import WithEta, divergence, dual_loss
-from dpvr.optim import DPGD, RecursiveSpider, RuntimeConfig
+from dpvr.optim import RuntimeConfig
 from dpvr.trainer.defaults import dpgd_protocol, spider_protocol
 from dpvr_lab.experiments import regime_dro
 from dpvr_lab.experiments.regime import Problem, phi

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import dpvr
-from dpvr.optim import DPSGDA, PrivateDiff, RuntimeConfig
+from dpvr.algorithms import DPSGDA, PrivateDiff
+from dpvr.optim import RuntimeConfig
 from dpvr.problems import MinimaxProblem
 from dpvr.problems.minimax import YSensitivity
 from dpvr_lab.experiments import regime, regime_minimax

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpvr.optim import DIFF2, DPGD
+from dpvr.algorithms import DIFF2, DPGD
 from dpvr_lab.experiments import regime, regime_real
 from dpvr_lab.experiments.regime import dphi
 

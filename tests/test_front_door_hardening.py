@@ -16,8 +16,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
+from dpvr.algorithms import DPGD
 from dpvr.ops import NoiseGenerator
-from dpvr.optim import DPGD, RuntimeConfig
+from dpvr.optim import RuntimeConfig
 from dpvr.optim.sampling import BatchSampler, steps_per_epoch
 from dpvr.privacy import calibrate
 from dpvr.privacy.events import DPSGDPlan

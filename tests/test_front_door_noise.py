@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
+from dpvr.algorithms.dp_sgd.algorithm import DPSGD
 from dpvr.optim import BudgetExhaustedError, PrivacyConfig
-from dpvr.optim.dpsgd import DPSGD
 
 N, B, DELTA = 64, 8, 1e-5
 G = torch.Generator().manual_seed(0)

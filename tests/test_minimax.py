@@ -7,9 +7,10 @@ import torch
 
 import dpvr
 from dpvr import PaperSigmas
+from dpvr.algorithms import DPSGDA, PrivateDiff
 from dpvr.cli import main
 from dpvr.objectives import AUCMargin, AUCModel
-from dpvr.optim import DPSGDA, BudgetExhaustedError, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim import BudgetExhaustedError, PrivacyConfig, RuntimeConfig
 from dpvr.optim.estimator import global_norm
 
 TINY = 1e-100  # noise this small is absorbed by float64 rounding: the run is noise-free

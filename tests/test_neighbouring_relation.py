@@ -13,19 +13,18 @@ import torch
 
 import sensitivity as harness
 from dpvr import NoiseGenerator, registry
-from dpvr.objectives import ChiSquare
-from dpvr.optim import (
+from dpvr.algorithms import (
     DIFF2,
     DPGD,
     DPSGD,
     DPSGDA,
     DoubleSpider,
     PhasedOutputPerturbation,
-    PrivacyConfig,
     PrivateDiff,
     RecursiveSpider,
-    RuntimeConfig,
 )
+from dpvr.objectives import ChiSquare
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 
 N = 12
 

@@ -134,7 +134,7 @@ def test_dpsgd_draws_the_priced_noise(sampling):
 def test_last_iterate_parameter_noise_is_the_priced_sigma(clipping):
     """The cyclic plan prices parameter-space noise ``sigma = lr z C / b`` (Kong & Ribero's sigma): the
     released last iterate of a zero-gradient run has moved by exactly that noise, summed over the steps."""
-    from dpvr.optim import DPSGD
+    from dpvr.algorithms import DPSGD
 
     n, b, lr, clip, steps = 32, 8, 0.05, 2.0, 12
     x = torch.zeros(n, 400, dtype=torch.float64)
@@ -227,7 +227,7 @@ def test_private_diff_draws_the_priced_noise():
 def test_private_diff_output_y_draws_the_priced_noise():
     """``y`` by output perturbation: a replace-one sensitivity ``Delta`` (proved in PrivateDiff's docstring)
     is twice the accountant's unit."""
-    from dpvr.optim import PrivateDiff
+    from dpvr.algorithms import PrivateDiff
 
     x, y = _data(32, harness.MINIMAX)
     alg = PrivateDiff(
@@ -274,8 +274,9 @@ def test_phased_output_perturbation_draws_the_priced_noise(setting):
     """Each phase releases its solver's point plus noise of std ``z Delta / 2``: ``Delta`` is the replace-one
     sensitivity of the phase's certified output, ``(1 + 2 tau) 2 L / (m sqrt(mu mu_x))`` on its ``m``
     records (the paper's stability bound widened by the certified radius), and dpvr's unit is half of it."""
+    from dpvr.algorithms import PhasedOutputPerturbation
     from dpvr.objectives import LogisticRegression
-    from dpvr.optim import PhasedOutputPerturbation, PrivacyConfig, RuntimeConfig
+    from dpvr.optim import PrivacyConfig, RuntimeConfig
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, WIDE))

@@ -6,18 +6,12 @@ import os
 import numpy as np
 import pytest
 
+from dpvr.algorithms.phased.algorithm import PhasedOutputPerturbation, gaussian_ratio, paper_mu
+from dpvr.algorithms.phased.problem import CertificateError, SolverResult
+from dpvr.algorithms.phased.solvers import KatyushaSolver, VRExtragradientSolver
 from dpvr.objectives import BilinearSaddle, LogisticRegression, QuadraticSaddle, RobustRegression
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import PrivacyConfig, RuntimeConfig
-from dpvr.optim.phased import (
-    CertificateError,
-    KatyushaSolver,
-    PhasedOutputPerturbation,
-    SolverResult,
-    VRExtragradientSolver,
-    gaussian_ratio,
-    paper_mu,
-)
 from dpvr.privacy import Accountant
 
 

@@ -6,19 +6,13 @@ import math
 import numpy as np
 import pytest
 
+from dpvr.algorithms.phased.algorithm import PhasedOutputPerturbation
+from dpvr.algorithms.phased.problem import CertificateError, PhaseProblem, SolverResult
+from dpvr.algorithms.phased.solvers import KatyushaSolver, VRExtragradientSolver
 from dpvr.objectives import BilinearSaddle, LogisticRegression, QuadraticSaddle
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import PrivacyConfig, RuntimeConfig
-from dpvr.optim.phased import (
-    Ball,
-    Box,
-    CertificateError,
-    KatyushaSolver,
-    PhasedOutputPerturbation,
-    PhaseProblem,
-    SolverResult,
-    VRExtragradientSolver,
-)
+from dpvr.problems import Ball, Box
 
 
 class Separable:

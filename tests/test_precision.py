@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dpvr
+from dpvr.algorithms import DPSGD
 from dpvr.grads import GhostClipper
-from dpvr.optim import DPSGD, RuntimeConfig
+from dpvr.optim import RuntimeConfig
 from dpvr.optim.gradients import ClippedGradients
 
 BATCH = 8

@@ -16,18 +16,9 @@ import pytest
 import torch
 
 import dpvr
+from dpvr.algorithms import DIFF2, DPGD, DPSGD, DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
 from dpvr.objectives.dro import cross_entropy
-from dpvr.optim import (
-    DIFF2,
-    DPGD,
-    DPSGD,
-    DPSGDA,
-    DoubleSpider,
-    PrivacyConfig,
-    PrivateDiff,
-    RecursiveSpider,
-    RuntimeConfig,
-)
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 
 TINY = 1e-100  # noise this small vanishes in float64 rounding
 
@@ -341,7 +332,8 @@ def test_paper_sigmas_convert_through_the_plan():
 
 
 def _phased(**kw):
-    from dpvr.optim import PhasedOutputPerturbation, PrivacyConfig, RuntimeConfig
+    from dpvr.algorithms import PhasedOutputPerturbation
+    from dpvr.optim import PrivacyConfig, RuntimeConfig
 
     runtime = RuntimeConfig(generator=gen(2), sampler_seed=0, nonfinite=kw.pop("nonfinite", "zero"))
     privacy = PrivacyConfig(epsilon=1.0, delta=1e-5)

@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpvr
-from dpvr.optim import DIFF2, DPSGD, PrivacyConfig, RuntimeConfig
+from dpvr.algorithms import DIFF2, DPSGD
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 
 
 def _data(n: int, d: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

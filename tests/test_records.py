@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import dpvr
-from dpvr.optim import DIFF2, DPGD, DPSGD, DatasetRecords, PrivacyConfig, RuntimeConfig, TensorRecords
+from dpvr.algorithms import DIFF2, DPGD, DPSGD
+from dpvr.optim import DatasetRecords, PrivacyConfig, RuntimeConfig, TensorRecords
 from dpvr.optim.records import FINGERPRINT_RECORDS, PROBE
 from dpvr.optim.sampling import BatchSampler, batch_rows
 from dpvr.trainer.data import dataset_records
@@ -379,10 +380,11 @@ def test_empty_poisson_draws_load_nothing():
 def _algorithms():
     """``name -> (build(records) -> algorithm, data)``: every algorithm that indexes data, on sampled
     streams where it has them, with real noise."""
+    from dpvr.algorithms import DoubleSpider, PrivateDiff, RecursiveSpider
+    from dpvr.algorithms import DPSGDA
     from dpvr.objectives import AUCMargin, AUCModel, ChiSquare
     from dpvr.objectives.dro import cross_entropy
-    from dpvr.optim import L1, DoubleSpider, PrivateDiff, RecursiveSpider
-    from dpvr.optim.minimax import DPSGDA
+    from dpvr.optim import L1
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(24, 5, generator=g, dtype=torch.float64)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import dpvr
-from dpvr.optim import DPGD, DPSGD, RuntimeConfig
+from dpvr.algorithms import DPGD, DPSGD
+from dpvr.optim import RuntimeConfig
 from dpvr.optim.ledger import LedgerError
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import Accountant, DPSGDPlan

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import dpvr
+from dpvr.algorithms import DPGD, DPSGD, PhasedOutputPerturbation
 from dpvr.objectives import LogisticRegression
-from dpvr.optim import DPGD, DPSGD, PhasedOutputPerturbation, PrivacyConfig, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.optim.ledger import LedgerError
 from dpvr.privacy import Accountant, DPSGDPlan
 

@@ -8,10 +8,11 @@ import torch
 from torch.func import functional_call
 
 import dpvr
+from dpvr.algorithms import DoubleSpider, RecursiveSpider
 from dpvr.cli import main
 from dpvr.objectives import KL, ChiSquare, dual_eta_grads, dual_weights
 from dpvr.objectives.dro import cross_entropy
-from dpvr.optim import DoubleSpider, PrivacyConfig, RecursiveSpider, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.problems import inner_lambda_grads, inner_values, inner_x_weights
 
 TINY = 1e-100  # noise this small is absorbed by float64 rounding: the run is noise-free

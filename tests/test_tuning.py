@@ -12,9 +12,10 @@ import torch
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpvr.algorithms import DPGD
 from dpvr.audit import threshold_lower_bound
 from dpvr.ops import NoiseGenerator
-from dpvr.optim import DPGD, PrivacyConfig, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.tuning import TrialCount, truncated_negative_binomial_mean, tune
 
 DELTA = 1e-5

@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy import stats
 
+from dpvr.algorithms import DPGD
 from dpvr.ops import PredictableNoiseError
-from dpvr.optim import DPGD
 from dpvr.tuning import tune
 
 DELTA = 1e-5

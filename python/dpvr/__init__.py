@@ -27,11 +27,12 @@ __version__ = _metadata.version("dpvr")  # the one version string lives in pypro
 _LAZY = {
     **dict.fromkeys(
         (
-            "DIFF2", "DPGD", "DPSGD", "DPSGDA", "BudgetExhaustedError", "DoubleSpider",
-            "PhasedOutputPerturbation", "PrivacyConfig", "PrivateDiff", "RecursiveSpider", "RuntimeConfig",
+            "DIFF2", "DPGD", "DPSGD", "DPSGDA", "DoubleSpider", "PhasedOutputPerturbation", "PrivateDiff",
+            "RecursiveSpider",
         ),
-        "dpvr.optim",
+        "dpvr.algorithms",
     ),
+    **dict.fromkeys(("BudgetExhaustedError", "PrivacyConfig", "RuntimeConfig"), "dpvr.optim"),
     **dict.fromkeys(("Accountant", "PrivacyReport", "account", "calibrate"), "dpvr.privacy"),
     "audit": "dpvr.audit",
     **dict.fromkeys(

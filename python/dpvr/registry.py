@@ -174,7 +174,7 @@ class AlgorithmSpec:
     - ``algorithm``: ``"module:Class"`` of the class that runs it, constructed with ``algorithm_options``
       (e.g. ``sampling="cyclic"`` for last-iterate DP-SGD);
     - ``layout``: how :func:`dpvr.make_private` lays out a run of it, ``None`` where it does not run it
-      (``phased``: bring your own solver, through :mod:`dpvr.optim.phased`):
+      (``phased``: bring your own solver, through :mod:`dpvr.algorithms.phased`):
 
       - ``"sampled"``: one batch of ``batch_size`` records per step (required), its scheme the class's
         ``sampling``; an epoch is the sampler's (:func:`dpvr.optim.sampling.steps_per_epoch`);
@@ -184,7 +184,9 @@ class AlgorithmSpec:
     - ``problem`` and ``federated``, read by ``make_private`` only: ``problem`` is ``"minimisation"`` (it
       takes a loss callable) or ``"minimax"`` (a :class:`~dpvr.problems.MinimaxProblem`); a ``federated``
       class takes one dataset per client (``make_private`` passes its list of datasets);
-    - ``audit_games``: the keys of :data:`dpvr.audit.TARGETS` that audit it;
+    - ``audit_games``: the names of the audit games that exercise it (``dpvr audit GAME``), and
+      ``audit_module`` the module whose ``GAMES`` maps each name to its :class:`dpvr.audit.Target` (the
+      algorithm's ``audit`` module), imported only by :func:`audit_targets`;
     - ``rules``: the settings ``make_private`` derives from the algorithm's theorems when they are not given,
       each ``rule(settings, public)`` returning a :class:`dpvr.algorithms.theorems.Derived` (or None where
       it does not apply), ``public`` the run's :class:`~dpvr.algorithms.theorems.Public` quantities (so a
@@ -209,6 +211,7 @@ class AlgorithmSpec:
     problem: Literal["minimisation", "minimax"] = "minimisation"
     federated: bool = False
     audit_games: tuple[str, ...] = ()
+    audit_module: str | None = None
     rules: Mapping[str, Callable[[Mapping[str, Any], Any], Any]] = field(default_factory=dict)
     steps_rule: Callable[[Mapping[str, Any], Any], Any] | None = None
     data_parallel: Callable[[Mapping[str, Any]], str | None] = undeclared
@@ -349,6 +352,26 @@ def audit_games() -> dict[str, str]:
     return {game: spec.name for spec in REGISTRY.values() for game in spec.audit_games}
 
 
+def audit_targets() -> dict[str, Any]:
+    """Every registered algorithm's audit games by name (:class:`dpvr.audit.Target` each), read from the
+    ``GAMES`` of each entry's ``audit_module``; those modules import torch, so they are imported here, on
+    first use, not with the registry. An entry whose module names other games than it declares is refused."""
+    targets: dict[str, Any] = {}
+    for spec in REGISTRY.values():
+        if not spec.audit_games:
+            continue
+        if spec.audit_module is None:
+            raise ValueError(f"{spec.name}: audit games {list(spec.audit_games)} but no audit_module")
+        found = importlib.import_module(spec.audit_module).GAMES
+        if set(found) != set(spec.audit_games):
+            raise ValueError(
+                f"{spec.name}: {spec.audit_module}.GAMES holds {sorted(found)}, the entry declares "
+                f"{sorted(spec.audit_games)}"
+            )
+        targets.update(found)
+    return targets
+
+
 
 
 __all__ = [
@@ -362,6 +385,7 @@ __all__ = [
     "Sigma",
     "all_reduced",
     "audit_games",
+    "audit_targets",
     "floats",
     "front_door",
     "get",

@@ -1,6 +1,6 @@
 """Distributed DIFF2-GD on one machine against the in-process simulation: time and bytes per round.
 
-For P = 2, 4, 8 clients, the same shards, model and noise run (a) in process (:class:`dpvr.optim.DIFF2`)
+For P = 2, 4, 8 clients, the same shards, model and noise run (a) in process (:class:`dpvr.algorithms.DIFF2`)
 and (b) as P client processes and an aggregator on loopback gloo (:func:`dpvr.distributed.launch`), every
 process with one thread. Per-round time is the median over the rounds after a warm-up, measured on the
 aggregator around ``step()``; bytes per round are what the aggregator sent and received, headers
@@ -20,9 +20,10 @@ import time
 import torch
 from torch import nn
 
+from dpvr.algorithms import DIFF2
 from dpvr.distributed import launch
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import DIFF2, RuntimeConfig
+from dpvr.optim import RuntimeConfig
 from dpvr.privacy import PaperSigmas
 from dpvr.results import Record, document, format_table, write_json
 

@@ -19,8 +19,8 @@ The paper's protocol, scaled to the data at hand:
   ``[0, 2]``. Its positive ratio ``p`` is public: the protocol's 0.1 for the imbalanced sets, the share of
   positive classes (0.5) for the balanced ones, never measured on the private labels.
 - **Methods.** ``non-private``: stochastic gradient descent-ascent on the same batches and schedule;
-  ``DP-SGDA`` (:class:`~dpvr.optim.DPSGDA`, ``C1 = C2 = 1``) and ``PrivateDiff``
-  (:class:`~dpvr.optim.PrivateDiff`, ``C1 = C2 = 1``, ``T = 2``, ``T2 = 3`` as in Table 2; ``C0 = 1`` and
+  ``DP-SGDA`` (:class:`~dpvr.algorithms.DPSGDA`, ``C1 = C2 = 1``) and ``PrivateDiff``
+  (:class:`~dpvr.algorithms.PrivateDiff`, ``C1 = C2 = 1``, ``T = 2``, ``T2 = 3`` as in Table 2; ``C0 = 1`` and
   ``C3 = 0.1``, which the paper does not give). Every method makes the same number of x-updates:
   ``epochs * n / batch``; PrivateDiff's ``T2`` y-steps per round are on batches of their own.
   ``--y-release`` picks how PrivateDiff makes ``alpha`` private: ``ascent`` (the default: ``T2`` noisy
@@ -70,6 +70,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpvr.algorithms import DPSGDA, PrivateDiff
 from dpvr.data import (
     DIGITS_RANGE,
     MNIST_RANGE,
@@ -84,7 +85,7 @@ from dpvr.data import train_test_split as split_train_test
 from dpvr.data.idx import FASHION_MNIST_CLASSES
 from dpvr.objectives import AUCMargin, AUCModel, auc_score
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.optim.sampling import BatchSampler
 from dpvr.results import Record, document, format_table
 

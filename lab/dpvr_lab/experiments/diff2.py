@@ -15,8 +15,8 @@ The paper's protocol (section 6 and appendix A), scaled to the data at hand:
   ``0.5 ||output - target||^2``; the objective ``f`` is the mean over clients of their mean losses.
 - **Methods**, all for ``R`` rounds: ``GD`` (non-private, the paper's "GD (ref)"), ``DP-GD``, ``DIFF2-GD``
   and ``DIFF2-BVR-L-SGD`` (``K`` local steps on batches of ``b = K`` records, ``C3 = C2`` as in Theorem 5.3;
-  the paper runs no experiment with it). DP-GD is :class:`~dpvr.optim.DIFF2` with ``restart=1``: the paper
-  defines it so (T = 1), it runs the same code path as DIFF2-GD and it admits the paper's calibration
+  the paper runs no experiment with it). DP-GD is :class:`~dpvr.algorithms.DIFF2` with ``restart=1``: the
+  paper defines it so (T = 1), it runs the same code path as DIFF2-GD and it admits the paper's calibration
   (Proposition 4.1 with u -> 1). With equal shards the average of client means is the pooled mean, so by
   default the GD-routine methods run on one pooled shard with the same plan (``n_min P`` records): the
   same algorithm and the same accounting, with a P-th of the per-sample-gradient calls (its noise draws
@@ -84,12 +84,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpvr.algorithms import DIFF2
+from dpvr.algorithms.diff2.algorithm import Shard
 from dpvr.data import Dataset, PublicScaling, load, read_csv, read_libsvm, split_clients, split_public
 from dpvr.data import train_test_split as split_train_test
 from dpvr.distributed import ClientPool
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import DIFF2, DivergedError, PrivacyConfig, RuntimeConfig
-from dpvr.optim.diff2 import Shard
+from dpvr.optim import DivergedError, PrivacyConfig, RuntimeConfig
 from dpvr.results import Record, document, format_table
 
 from .common import (

@@ -72,21 +72,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpvr.algorithms import DPSGD, DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
 from dpvr.data import DIGITS_RANGE, MNIST_RANGE, Dataset, binarize, load, long_tail, subsample_to_ratio
 from dpvr.data import train_test_split as split_train_test
 from dpvr.objectives import PenalisedDRO, WithEta, divergence, dual_loss, indexed_targets, kl_compositional
 from dpvr.objectives.dro import cross_entropy
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import (
-    DPSGD,
-    DPSGDA,
-    DoubleSpider,
-    PrivacyConfig,
-    PrivateAlgorithm,
-    PrivateDiff,
-    RecursiveSpider,
-    RuntimeConfig,
-)
+from dpvr.optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy.allocation import stream_dimensions
 from dpvr.results import Record, document, format_table

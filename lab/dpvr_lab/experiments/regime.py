@@ -21,8 +21,8 @@ Methods, each at the theorem's protocol and at a tuned one, five paired seeds (a
 
 Noise multipliers come from dpvr's own calibration of each run's plan (``DIFF2Plan``, ``DPSGDPlan`` with full
 batches, PLD, replace-one) and every release is priced as the library prices it; the updates are an exact
-replica of :class:`dpvr.optim.DIFF2` and :class:`dpvr.optim.DPGD` on these closed-form gradients (checked
-against the library on small ``n`` in the tests), vectorised over seeds. The metric is the exact
+replica of :class:`dpvr.algorithms.DIFF2` and :class:`dpvr.algorithms.DPGD` on these closed-form gradients
+(checked against the library on small ``n`` in the tests), vectorised over seeds. The metric is the exact
 ``||grad f(x_R)||`` at the last iterate.
 
 Output: per ``(method, n, epsilon)`` the median gradient norm; per method and epsilon the exponent of the
@@ -133,7 +133,7 @@ def run_diff2(problem: Problem, n: int, rounds: int, restart: int, lr: float, no
     """DIFF2-GD (one client) on every instance; returns ``(x_R, capped)``: the last iterates and, per
     instance, how many difference rounds hit the radius cap ``2 C1``.
 
-    The replica of :class:`dpvr.optim.DIFF2` (routine ``"gd"``): restart rounds release the mean of
+    The replica of :class:`dpvr.algorithms.DIFF2` (routine ``"gd"``): restart rounds release the mean of
     per-sample gradients clipped at ``C1 = G`` plus ``N(0, (z1 C1 / n)^2)``; difference rounds add the mean
     of same-sample differences clipped at ``min(C2 ||x_{r-1} - x_{r-2}||, 2 C1)`` (``C2 = L``) plus noise of
     std ``z2`` times that radius over ``n``; then ``x <- x - eta v``. With unit-norm atoms a per-sample term
@@ -168,8 +168,8 @@ def run_diff2(problem: Problem, n: int, rounds: int, restart: int, lr: float, no
 
 def run_dpgd(problem: Problem, n: int, rounds: int, lr: float, noise: float,
              rng: np.random.Generator) -> np.ndarray:
-    """DP-GD on every instance (the replica of :class:`dpvr.optim.DPGD`): the full-batch mean of per-sample
-    gradients clipped at ``C = G`` plus ``N(0, (z C / n)^2)``, then ``x <- x - eta v``."""
+    """DP-GD on every instance (the replica of :class:`dpvr.algorithms.DPGD`): the full-batch mean of
+    per-sample gradients clipped at ``C = G`` plus ``N(0, (z C / n)^2)``, then ``x <- x - eta v``."""
     c = problem.lipschitz
     s, d = problem.solution.shape
     x = np.zeros((s, d))

@@ -17,7 +17,7 @@ record), so neither the tables nor the tuning reward it.
 
 The two formulations the paper compares, each minimising ``F``:
 
-- **DP Recursive-SPIDER** (:class:`dpvr.optim.RecursiveSpider`) on the compositional form ``Psi(x, lam) =
+- **DP Recursive-SPIDER** (:class:`dpvr.algorithms.RecursiveSpider`) on the compositional form ``Psi(x, lam) =
   lam log mean_j exp(l_j / lam) + lam rho`` over ``lam >= lam0 = LAM``, ``rho = RHO = 2``. For losses in
   ``[0, 1)``, ``d Psi / d lam = rho - KL(q || uniform)`` and ``KL(q || uniform) <= (max l - min l) / lam <
   1 / lam0``, so with ``rho = 2 / lam0`` the minimum over ``lam`` is at ``lam0`` for every ``x``:
@@ -33,14 +33,14 @@ The two formulations the paper compares, each minimising ``F``:
   ``C3 = sup dg/dlam = sup g (1 - phi) / lam^2``; ``k4 = sup ||grad_w (dg/dlam)||``; ``C5 = 1``. Theorem 8's
   ``G`` and ``L`` are ``C1`` and ``k2`` (what :func:`dpvr.trainer.defaults.spider_protocol` reads).
 - **DP-SGD on the dual** (the paper's DP-ERM baseline, eq. (3), run as :mod:`dpvr_lab.experiments.dro`
-  runs it: :class:`dpvr.optim.DPSGD` on ``(x, eta)``, here full batch, i.e. :class:`dpvr.optim.DPGD`): the
-  per-sample dual loss ``LAM (exp((l_j - eta) / LAM) - 1) + eta``, whose minimum over ``eta`` is ``F(x)``;
-  ``eta0 = 0``, gap ``mean_j LAM (exp(l_j(0) / LAM) - 1)`` exactly (the dual's minimum is 0, at ``(x*, 0)``).
-  On the region ``eta in [0, 1]`` (``eta*(x) = F(x)`` lies in ``[0, 1)``; ``eta0 = 0``), with ``E = exp((l -
-  eta) / LAM)``: ``G = sup sqrt(E^2 phi'^2 + (1 - E)^2)`` and ``L`` the largest spectral norm of the
-  per-sample Hessian ``E [[phi'' + phi'^2 / LAM, -phi' / LAM], [-phi' / LAM, 1 / LAM]]`` (in the plane of
-  ``a_j`` and ``eta``) (:func:`dual_constants`). The clip radius is ``G``, so the iterates leaving the region
-  costs no privacy, only bias.
+  runs it: :class:`dpvr.algorithms.DPSGD` on ``(x, eta)``, here full batch, i.e.
+  :class:`dpvr.algorithms.DPGD`): the per-sample dual loss ``LAM (exp((l_j - eta) / LAM) - 1) + eta``, whose
+  minimum over ``eta`` is ``F(x)``; ``eta0 = 0``, gap ``mean_j LAM (exp(l_j(0) / LAM) - 1)`` exactly (the
+  dual's minimum is 0, at ``(x*, 0)``). On the region ``eta in [0, 1]`` (``eta*(x) = F(x)`` lies in ``[0,
+  1)``; ``eta0 = 0``), with ``E = exp((l - eta) / LAM)``: ``G = sup sqrt(E^2 phi'^2 + (1 - E)^2)`` and ``L``
+  the largest spectral norm of the per-sample Hessian ``E [[phi'' + phi'^2 / LAM, -phi' / LAM], [-phi' / LAM,
+  1 / LAM]]`` (in the plane of ``a_j`` and ``eta``) (:func:`dual_constants`). The clip radius is ``G``, so the
+  iterates leaving the region costs no privacy, only bias.
 
 Protocols, five paired seeds (a seed draws the atoms, ``x*`` and the noise):
 
@@ -197,8 +197,8 @@ def dual_gap(problem: Problem) -> np.ndarray:
 
 def run_dual(problem: Problem, n: int, rounds: int, lr: float, noise: float, clip: float,
              rng: np.random.Generator) -> np.ndarray:
-    """DP-SGD on the dual, full batch (the replica of :class:`dpvr.optim.DPGD` on ``(x, eta)``): the mean of
-    per-sample gradients ``(E phi' a, 1 - E)`` clipped at ``clip`` plus ``N(0, (z clip / n)^2)`` in all
+    """DP-SGD on the dual, full batch (the replica of :class:`dpvr.algorithms.DPGD` on ``(x, eta)``): the mean
+    of per-sample gradients ``(E phi' a, 1 - E)`` clipped at ``clip`` plus ``N(0, (z clip / n)^2)`` in all
     ``d + 1`` coordinates, then ``(x, eta) <- (x, eta) - lr v``. Returns ``x_R``."""
     s, d = problem.solution.shape
     x, eta = np.zeros((s, d)), np.zeros(s)
@@ -264,8 +264,8 @@ class _Batches:
 def run_spider(problem: Problem, n: int, rounds: int, restart: int, batch: int, lr: float, lr_lam: float,
                noise: dict[str, float], clip: dict[str, float], rng: np.random.Generator,
                draws=None) -> tuple[np.ndarray, np.ndarray]:
-    """DP Recursive-SPIDER (the replica of :class:`dpvr.optim.RecursiveSpider`, ``b1 = b3 = n``, ``b2 = b4
-    = batch``, ``beta = BETA``, ``lam0 = lam_init = LAM``, ``s0 = 1``); returns ``(x_T, lam_T)``.
+    """DP Recursive-SPIDER (the replica of :class:`dpvr.algorithms.RecursiveSpider`, ``b1 = b3 = n``, ``b2 =
+    b4 = batch``, ``beta = BETA``, ``lam0 = lam_init = LAM``, ``s0 = 1``); returns ``(x_T, lam_T)``.
 
     Step ``t`` (a refresh when ``t % q == 0``), ``dw = ||(x_t, lam_t) - (x_{t-1}, lam_{t-1})||``: ``v`` is
     reset to the mean of ``(g / lam) phi' a`` clipped at ``C1`` plus ``N(0, (z C1 / n)^2)``, or adds the

@@ -36,9 +36,9 @@ Methods, at their theorems' protocols (:mod:`dpvr.trainer.defaults`), full batch
 
 Noise multipliers come from dpvr's own calibration of each run's plan (``PrivateDiffPlan`` with
 ``y_release="output"``, ``DPSGDAPlan``, full batches, PLD, replace-one); the updates are exact replicas of
-:class:`dpvr.optim.PrivateDiff` and :class:`dpvr.optim.DPSGDA` on these closed-form gradients (checked
-against the library to 1e-9 in the tests), vectorised over seeds. The metric is ``||grad Phi(x_R)||`` at the
-last iterate (the paper's output is a uniformly drawn iterate; the last one is what a user keeps).
+:class:`dpvr.algorithms.PrivateDiff` and :class:`dpvr.algorithms.DPSGDA` on these closed-form gradients
+(checked against the library to 1e-9 in the tests), vectorised over seeds. The metric is ``||grad Phi(x_R)||``
+at the last iterate (the paper's output is a uniformly drawn iterate; the last one is what a user keeps).
 
 Output as the DIFF2 experiment's: medians, exponents in ``n`` (theory ``-2/3`` for PrivateDiff, ``-1/2`` for
 DP-SGDA; with dpvr's private y the PrivateDiff protocol stops at ``R_y`` and its bound returns to ``-1/2``
@@ -101,7 +101,7 @@ def y_sensitivity(n: int) -> float:
 
 def run_dpsgda(problem: MinimaxPlanted, n: int, rounds: int, lr: float, lr_y: float, noise: dict[str, float],
                rng: np.random.Generator) -> np.ndarray:
-    """DP-SGDA, full batch (the replica of :class:`dpvr.optim.DPSGDA`): at ``(x_t, y_t)`` the means of
+    """DP-SGDA, full batch (the replica of :class:`dpvr.algorithms.DPSGDA`): at ``(x_t, y_t)`` the means of
     per-sample ``grad_x f = y phi' a`` clipped at ``G`` and ``grad_y f = phi - mu y`` clipped at 1, plus
     ``N(0, (z C / n)^2)`` each; ``x <- x - eta_x v_x``, ``y <- Proj(y + eta_y v_y)``. Returns ``x_R``."""
     c1 = G_PHI
@@ -127,7 +127,7 @@ def offset(n: int, z_y: float) -> float:
 def run_private_diff(problem: MinimaxPlanted, n: int, rounds: int, restart: int, lr: float,
                      noise: dict[str, float], c3: float,
                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """PrivateDiff, full batch, ``y_release="output"`` (the replica of :class:`dpvr.optim.PrivateDiff`):
+    """PrivateDiff, full batch, ``y_release="output"`` (the replica of :class:`dpvr.algorithms.PrivateDiff`):
     round ``r`` releases ``y_{r+1} = Proj(y*(x_r) + N(0, (z_y Delta / 2)^2))``; a checkpoint round resets
     ``v`` to the mean of ``grad_x f(x_r, y_{r+1})`` clipped at ``C1 = G`` plus ``N(0, (z1 C1 / n)^2)``, a
     difference round adds the mean of same-sample differences ``grad_x f(x_r, y_{r+1}) - grad_x f(x_{r-1},

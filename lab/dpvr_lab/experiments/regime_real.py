@@ -28,9 +28,9 @@ above ``n ~ 10^4`` here (:func:`estimate_seconds`).
 **Methods.** DIFF2-GD and DP-GD at their theorems' protocols (:func:`dpvr.trainer.defaults.diff2_protocol`
 and :func:`~dpvr.trainer.defaults.dpgd_protocol` through :func:`dpvr_lab.experiments.regime.schedule`),
 noise from dpvr's PLD calibration of each run's plan (delta = 1e-6, replace-one), the updates the planted
-experiment's numpy replicas of :class:`dpvr.optim.DIFF2` and :class:`dpvr.optim.DPGD`, vectorised over five
-paired seeds (a seed draws the records and the noise; both methods see the same records). No tuning: the
-question is whether the theorems' protocols cross where the planted problem says.
+experiment's numpy replicas of :class:`dpvr.algorithms.DIFF2` and :class:`dpvr.algorithms.DPGD`, vectorised
+over five paired seeds (a seed draws the records and the noise; both methods see the same records). No tuning:
+the question is whether the theorems' protocols cross where the planted problem says.
 
 **Measures.** ``||grad f(x_R)||`` on the run's records (a diagnostic of the private training data, not a
 release: :mod:`dpvr_lab.experiments.common`) and the accuracy of ``sign(a^T x_R)`` on the fixed MNIST-1D test

@@ -29,7 +29,7 @@ the norm (not squared) all three papers predict the exponent ``-2/3`` in ``n`` f
   inside the KL-penalised DRO objective ``LAM log mean_i exp(l_i / LAM)`` (``LAM = 1``; the value of
   ``max_p sum_i p_i l_i - LAM KL(p, 1/n)``) for Double-SPIDER / DP-SGD, both on its dual
   ``min_(x, eta) mean_i LAM psi*((l_i(x) - eta) / LAM) + eta``. float32.
-- **Methods.** DIFF2 paper: one client (centralised; :class:`~dpvr.optim.DIFF2` on the pooled training
+- **Methods.** DIFF2 paper: one client (centralised; :class:`~dpvr.algorithms.DIFF2` on the pooled training
   set), ``R`` full-batch rounds (``--rounds``, default 50); DP-GD is DIFF2 with ``restart = 1``;
   DIFF2-GD restarts every ``T = R / 10`` rounds (inside the DIFF2 experiment's grid; ``--restart theorem``:
   Theorem 4.3's ``max(1, tau R)`` at the cell's n, d, epsilon and radii instead) with the difference
@@ -88,21 +88,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpvr.algorithms import DIFF2, DPSGD, DPSGDA, DoubleSpider, PrivateDiff
 from dpvr.data.dataset import Dataset
 from dpvr.data.mnist1d import load_mnist1d
 from dpvr.objectives import AUCMargin, AUCModel, WithEta, auc_score, divergence, dual_loss, kl_compositional
 from dpvr.objectives.dro import cross_entropy as indexed_cross_entropy
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import (
-    DIFF2,
-    DPSGD,
-    DPSGDA,
-    DivergedError,
-    DoubleSpider,
-    PrivacyConfig,
-    PrivateDiff,
-    RuntimeConfig,
-)
+from dpvr.optim import DivergedError, PrivacyConfig, RuntimeConfig
 from dpvr.persistence import atomic_write
 from dpvr.results import Record, document, format_table, write_figure
 from dpvr.trainer.defaults import Public, derive

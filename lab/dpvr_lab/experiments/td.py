@@ -39,9 +39,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpvr.algorithms import DPSGD, DPSGDA, PrivateDiff
 from dpvr.objectives import MSPBE, TransitionValues, ValueModel, semi_gradient_td_loss
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import DPSGD, DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.results import Record, document, format_table
 
 from .common import derive_seed, format_mean_std, plot_curves, progress, record_metrics, save

@@ -39,11 +39,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpvr.algorithms import DPSGDA, PrivateDiff
 from dpvr.data import DIGITS_RANGE, load
 from dpvr.data import train_test_split as split_train_test
 from dpvr.objectives import WGAN, WGANModel
 from dpvr.ops import NoiseGenerator, torch_threads
-from dpvr.optim import DPSGDA, PrivacyConfig, PrivateDiff, RuntimeConfig
+from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.results import Record, document, format_table, write_figure
 
 from .common import derive_seed, format_mean_std, plot_curves, progress, record_metrics, save

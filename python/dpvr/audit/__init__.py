@@ -6,6 +6,9 @@ stated confidence (Clopper–Pearson). A lower bound above the algorithm's claim
 (an implementation or accounting bug); a lower bound below it proves nothing about privacy — it only says
 that this canary and this score found no violation. The one-run audit bounds epsilon from many canaries in
 a single run.
+
+This package is the method: games, scores, bounds and the runner. Each algorithm's games live in its home
+(``dpvr.algorithms.<name>.audit``); :func:`dpvr.registry.audit_targets` gathers them by name.
 """
 
 from .bounds import (
@@ -17,13 +20,13 @@ from .bounds import (
 )
 from .games import AlgorithmGame, Game, Trace
 from .run import AuditResult, OneRunResult, audit, one_run_audit
-from .targets import DEFAULT_DELTA, TARGETS, Target
+from .targets import DEFAULT_DELTA, CanaryGame, Target
 
 __all__ = [
     "DEFAULT_DELTA",
-    "TARGETS",
     "AlgorithmGame",
     "AuditResult",
+    "CanaryGame",
     "Game",
     "OneRunResult",
     "Target",

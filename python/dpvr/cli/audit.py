@@ -15,7 +15,7 @@ import textwrap
 
 from tqdm import tqdm
 
-from ..registry import REGISTRY, audit_games
+from ..registry import REGISTRY, audit_games, audit_targets
 from ..results import Record, document, format_table, write_json
 from .flags import with_default
 
@@ -31,13 +31,14 @@ _DESCRIPTION = (
 
 def _games_help() -> str:
     """The games of each algorithm with what each one plays, and the default delta (imports the games)."""
-    from ..audit import DEFAULT_DELTA, TARGETS  # the games import torch: only when they are listed or run
+    from ..audit import DEFAULT_DELTA  # the games import torch: only when they are listed or run
 
+    targets = audit_targets()
     lines = ["games, by algorithm:"]
     for spec in REGISTRY.values():
         if spec.audit_games:
             lines.append(f"  {spec.name}")
-            lines += [f"    {game:29} {TARGETS[game].help}" for game in spec.audit_games]
+            lines += [f"    {game:29} {targets[game].help}" for game in spec.audit_games]
     lines += ["", f"default --delta: {DEFAULT_DELTA:g}"]
     return "\n".join(lines)
 
@@ -93,9 +94,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..audit import DEFAULT_DELTA, TARGETS, audit  # as in _games_help: torch only when auditing
+    from ..audit import DEFAULT_DELTA, audit  # as in _games_help: torch only when auditing
 
-    target = TARGETS[args.algorithm]
+    target = audit_targets()[args.algorithm]
     delta = DEFAULT_DELTA if args.delta is None else args.delta
     trials = args.trials if args.trials is not None else target.trials
     game = target.make(epsilon=args.epsilon, delta=delta)

@@ -1,11 +1,11 @@
 """Distributed DIFF2: P client processes and a trusted aggregator on ``torch.distributed``.
 
-Roles. Rank 0 is the **aggregator**: it runs :class:`dpvr.optim.DIFF2` and alone holds the noise
+Roles. Rank 0 is the **aggregator**: it runs :class:`dpvr.algorithms.DIFF2` and alone holds the noise
 generator (its seed), the accountant and budget guard, the estimator and the local-step samplers, and it
 writes the checkpoints. Ranks 1..P are the **clients**: client ``p`` holds only its own shard and answers
-each request with its clipped mean (:func:`dpvr.optim.diff2.clipped_mean`) of per-sample gradients at the
-point it was sent, or of same-sample differences between that point and the previous one. Nothing else
-leaves a client; the aggregator averages the means in client order, adds the noise with the same
+each request with its clipped mean (:func:`dpvr.algorithms.diff2.algorithm.clipped_mean`) of per-sample
+gradients at the point it was sent, or of same-sample differences between that point and the previous one.
+Nothing else leaves a client; the aggregator averages the means in client order, adds the noise with the same
 :func:`dpvr.ops.noisy_update` call and the same generator streams as the in-process run, and sends every
 client the next point. A distributed run therefore releases bitwise the iterates of the simulation with
 the same seed, shards and gradient mode.

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..algorithms.diff2.algorithm import Shard
 from ..data import PublicScaling, load, split_clients, split_public, train_test_split
 from ..optim import PrivacyConfig
-from ..optim.diff2 import Shard
 from ..privacy import PaperSigmas
 from ..problems import LossFn
 from .aggregator import aggregate

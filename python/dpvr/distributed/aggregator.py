@@ -1,8 +1,9 @@
 """The aggregator's loop: DIFF2's rounds with a :class:`~dpvr.distributed.RemoteClients` transport.
 
-The aggregator (rank 0) runs :class:`dpvr.optim.DIFF2` unchanged and alone holds the noise generator,
+The aggregator (rank 0) runs :class:`dpvr.algorithms.DIFF2` unchanged and alone holds the noise generator,
 the accountant and the checkpoints, which DIFF2 itself writes (after complete rounds only) and reads, with
-its run ledger: :meth:`~dpvr.optim.DIFF2.save_checkpoint`, :meth:`~dpvr.optim.DIFF2.load_checkpoint`.
+its run ledger: :meth:`~dpvr.algorithms.DIFF2.save_checkpoint`,
+:meth:`~dpvr.algorithms.DIFF2.load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..algorithms import DIFF2
 from ..grads import trainable_parameters
-from ..optim import DIFF2
 from ..problems import LossFn
 from .group import DistributedError, Group
 from .protocol import Traffic
@@ -74,7 +75,7 @@ def run_rounds(
 ) -> AggregatorResult:
     """DIFF2's rounds on the aggregator, with ``clients`` as its transport (which it leaves open).
 
-    ``options`` are :class:`~dpvr.optim.DIFF2`'s (the noise generator, in ``runtime``, lives here only;
+    ``options`` are :class:`~dpvr.algorithms.DIFF2`'s (the noise generator, in ``runtime``, lives here only;
     ``steps`` is the planned total). A checkpoint is written after every ``checkpoint_every`` rounds and
     after the last one run; ``resume`` starts from it when it exists. ``run_steps`` bounds the rounds run
     now (default: the rest of the plan).

@@ -1,7 +1,7 @@
 """The client's end of the wire: :func:`serve` answers one run's requests, :func:`serve_runs` a pool's runs.
 
-Each answer is :func:`dpvr.optim.diff2.clipped_mean` on the client's own shard, the function the
-in-process clients call, which is why a distributed run releases bitwise the simulation's iterates. A
+Each answer is :func:`dpvr.algorithms.diff2.algorithm.clipped_mean` on the client's own shard, the function
+the in-process clients call, which is why a distributed run releases bitwise the simulation's iterates. A
 client never holds the noise seed or the accountant.
 """
 
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..algorithms.diff2.algorithm import ClippedGradients, Shard, clipped_mean
 from ..grads import trainable_parameters
-from ..optim.diff2 import ClippedGradients, Shard, clipped_mean
 from ..optim.gradients import accumulators
 from ..problems import LossFn
 from .group import AGGREGATOR, DistributedError, Group
@@ -32,7 +32,7 @@ def serve(
 ) -> torch.Tensor:
     """The client loop of rank ``p + 1``: answers the aggregator's requests on ``shard`` until it stops.
 
-    ``grad_mode`` and ``chunk_size`` must be the aggregator's (:class:`~dpvr.optim.DIFF2`'s) for the
+    ``grad_mode`` and ``chunk_size`` must be the aggregator's (:class:`~dpvr.algorithms.DIFF2`'s) for the
     uploads to match the simulation bitwise. Returns the released final iterate (flat).
     """
     client = group.rank - 1

@@ -9,9 +9,9 @@ from typing import Any
 
 from torch import nn
 
+from ..algorithms.diff2.algorithm import Shard
 from ..ops import torch_threads
 from ..optim import RuntimeConfig
-from ..optim.diff2 import Shard
 from ..problems import LossFn
 from .aggregator import AggregatorResult, run_rounds
 from .group import DistributedError
@@ -45,7 +45,7 @@ def launch(
 
     Client ``p`` receives only ``shards[p]`` (and copies of the model and loss); the noise generator
     (``options["runtime"].generator``), the accountant and the checkpoints stay in this process, whose
-    ``options`` are :func:`~dpvr.distributed.run_rounds`'s and :class:`~dpvr.optim.DIFF2`'s.
+    ``options`` are :func:`~dpvr.distributed.run_rounds`'s and :class:`~dpvr.algorithms.DIFF2`'s.
     ``timeout`` is the per-step watchdog, ``idle_timeout`` the longest a client waits for the
     aggregator; every process computes with ``threads`` intra-op threads. Processes start from a fork
     server that has imported torch and dpvr once, so a launch costs well under a second after the first.

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from ..algorithms.diff2.algorithm import Shard
 from ..grads import trainable_parameters
 from ..optim.binding import data_fingerprint
-from ..optim.diff2 import Shard
 from ..problems import LossFn
 from .client import serve_runs
 from .group import DistributedError, init_group, join_group, seconds
@@ -161,7 +161,7 @@ class ClientPool:
         chunk_size: int | None = None,
     ) -> Iterator[RemoteClients]:
         """A run: client ``p`` gets ``model`` (a copy), ``loss_fn`` and ``shards[p]``; the block gets the
-        aggregator's transport for :class:`~dpvr.optim.DIFF2` on ``model``. ``grad_mode`` and
+        aggregator's transport for :class:`~dpvr.algorithms.DIFF2` on ``model``. ``grad_mode`` and
         ``chunk_size`` must be DIFF2's. Leaving the block sends the clients the last point and ends the
         run (also when the block raised between steps); the pool then takes the next run.
 

@@ -1,9 +1,10 @@
 """The aggregator's end of the wire: :class:`RemoteClients`, DIFF2's client transport over a process group.
 
-:class:`dpvr.optim.DIFF2` gets every round's (and local step's) clipped means from a
-:class:`~dpvr.optim.diff2.ClientTransport`: :class:`~dpvr.optim.diff2.InProcessClients` computes them in
-this process, :class:`RemoteClients` asks the client ranks (each in :func:`dpvr.distributed.serve`) in the
-messages of :mod:`dpvr.distributed.protocol`.
+:class:`dpvr.algorithms.DIFF2` gets every round's (and local step's) clipped means from a
+:class:`~dpvr.algorithms.diff2.algorithm.ClientTransport`:
+:class:`~dpvr.algorithms.diff2.algorithm.InProcessClients` computes them in this process,
+:class:`RemoteClients` asks the client ranks (each in :func:`dpvr.distributed.serve`) in the messages of
+:mod:`dpvr.distributed.protocol`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from .protocol import ABORT, FAILED, LOCAL, ROUND, RUN, STOP, Traffic, header, n
 
 
 class RemoteClients:
-    """DIFF2's :class:`~dpvr.optim.diff2.ClientTransport` on the aggregator: requests go to the client
-    ranks, means come back.
+    """DIFF2's :class:`~dpvr.algorithms.diff2.algorithm.ClientTransport` on the aggregator: requests go to the
+    client ranks, means come back.
 
     ``params`` are the aggregator model's parameters (the point sent is always their current value).
     ``runs``: for clients in :func:`~dpvr.distributed.serve_runs`, each client's run (as

@@ -1,4 +1,5 @@
-"""Problems for the phased output-perturbation framework (:mod:`dpvr.optim.phased`), with their constants.
+"""Problems for the phased output-perturbation framework (:mod:`dpvr.algorithms.phased`), with their
+constants.
 
 Each implements :class:`~dpvr.problems.FiniteSumProblem`: per-sample operators ``(grad_x f, -grad_y f)``,
 the operator of a public (data-independent) part ``P``, the domains, and the constants the privacy guarantee

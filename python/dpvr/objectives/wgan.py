@@ -63,7 +63,7 @@ class WGAN(MinimaxProblem):
     Args:
         discriminator: a module mapping ``(B, data_dim)`` samples to ``(B, 1)`` critic values. Only its
             structure and initial parameters are used (the starting ``y``; they must not depend on the data):
-            the algorithm owns ``w_D`` as :attr:`~dpvr.optim.minimax.MinimaxAlgorithm.y`.
+            the algorithm owns ``w_D`` as :attr:`~dpvr.algorithms.minimax.MinimaxAlgorithm.y`.
         data_dim: the length of a (flattened) real sample.
         penalty: ``lambda > 0``.
         radius: ``w_D`` is projected onto the ball ``||w_D|| <= radius`` (public).

@@ -5,8 +5,8 @@ its releases, the budget check made before each release, the run's ledger
 (:class:`~dpvr.optim.ledger.RunLedger`: every release is written into it before it is made, and the noise
 generator's keys are named after its entry) and, on a resume, the charging of what the run released after
 the loaded state. :class:`~dpvr.optim.PrivateAlgorithm` and the phased framework
-(:class:`~dpvr.optim.phased.PhasedOutputPerturbation`) both hold one; they differ only in how a release is
-charged:
+(:class:`~dpvr.algorithms.phased.PhasedOutputPerturbation`) both hold one; they differ only in how a release
+is charged:
 
 - *sequential* (the default): every release is recorded when it completes; while every stream has made no
   more releases than the plan counts, a release is admitted without recomputing epsilon (the run so far is

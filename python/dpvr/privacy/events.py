@@ -288,7 +288,7 @@ class DPSGDPlan(Plan):
     ``"wor"`` (fixed batches without replacement; replace-one only), ``"full"`` (DP-GD),
     ``"random-allocation"`` (epochs of ``t = round(n / batch_size)`` steps, each record in one random step of
     each; add/remove only; priced by epoch, a partial last epoch as a whole one). ``neighbouring``
-    defaults to :meth:`default_neighbouring` of the sampling, as :class:`dpvr.optim.DPSGD` does.
+    defaults to :meth:`default_neighbouring` of the sampling, as :class:`dpvr.algorithms.DPSGD` does.
 
     Guarantee: the composition of ``steps`` (sampled) Gaussian mechanisms with noise multiplier ``z``.
     """
@@ -335,7 +335,7 @@ class DPSGDPlan(Plan):
 
 @dataclass(frozen=True)
 class AdaptiveClipDPSGDPlan(DPSGDPlan):
-    """DP-SGD with private adaptive clipping (Andrew et al. 2021; :class:`dpvr.optim.DPSGD` with
+    """DP-SGD with private adaptive clipping (Andrew et al. 2021; :class:`dpvr.algorithms.DPSGD` with
     ``clipping="adaptive"``): each step releases the noisy clipped gradient sum (stream ``"gradient"``) and,
     on the same batch, the noisy shifted count ``sum_i (1[||g_i|| <= C] - 1/2) + N(0, sigma_b^2)`` (stream
     ``"clip-count"``, noise multiplier ``2 sigma_b``): one record moves the shifted count by at most ``1/2``

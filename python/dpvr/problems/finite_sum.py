@@ -1,7 +1,7 @@
 """The finite-sum saddle problem that the phased output-perturbation framework privatises.
 
-The framework (:mod:`dpvr.optim.phased`) reads a problem only through this protocol; the concrete problems
-live in :mod:`dpvr.objectives`, and users may bring their own.
+The framework (:mod:`dpvr.algorithms.phased`) reads a problem only through this protocol; the concrete
+problems live in :mod:`dpvr.objectives`, and users may bring their own.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from .. import registry
-from ..optim import LastIterateDPSGD, PrivacyConfig, PrivateAlgorithm, RuntimeConfig
+from ..algorithms import LastIterateDPSGD
+from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from ..optim.guard import EveryStream
 from ..optim.sampling import steps_per_epoch
 from ..privacy import PrivacyReport

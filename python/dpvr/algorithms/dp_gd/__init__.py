@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..privacy import DPSGDPlan
-from ..registry import AlgorithmSpec, Argument, all_reduced, register, schema_arguments, setting
-from . import _help
+from ...privacy import DPSGDPlan
+from ...registry import AlgorithmSpec, Argument, all_reduced, register, schema_arguments, setting
+from .. import _help
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,12 @@ SPEC = register(
         DPSGDPlan,
         plan,
         schema_arguments(DPGDSettings),
-        "dpvr.optim:DPGD",
+        "dpvr.algorithms.dp_gd.algorithm:DPGD",
         algorithm_options={"sampling": "full"},
         noise=Argument("noise_multiplier", float, _help.NOISE_MULTIPLIER),
         layout="full-batch",
         audit_games=("dp-gd", "dp-gd-input"),
+        audit_module="dpvr.algorithms.dp_gd.audit",
         data_parallel=all_reduced,
     )
 )

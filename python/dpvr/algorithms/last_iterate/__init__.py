@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..privacy import CyclicDPSGDPlan
-from ..registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
+from ...privacy import CyclicDPSGDPlan
+from ...registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,12 @@ SPEC = register(
         CyclicDPSGDPlan,
         plan,
         schema_arguments(LastIterateSettings),
-        "dpvr.optim:DPSGD",
+        "dpvr.algorithms.dp_sgd.algorithm:DPSGD",
         algorithm_options={"sampling": "cyclic"},
         sigmas=(Sigma("gradient", "sigma", "noise std in parameter space"),),
         layout="sampled",
         audit_games=("last-iterate",),
+        audit_module="dpvr.algorithms.last_iterate.audit",
         data_parallel=all_reduced,
     )
 )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..privacy import DPSGDPlan
-from ..registry import AlgorithmSpec, Argument, all_reduced, register, schema_arguments, setting
-from . import _help
+from ...privacy import DPSGDPlan
+from ...registry import AlgorithmSpec, Argument, all_reduced, register, schema_arguments, setting
+from .. import _help
 
 _SAMPLING = ("poisson", "wor", "full", "random-allocation")
 
@@ -42,10 +42,11 @@ SPEC = register(
         DPSGDPlan,
         DPSGDPlan,
         schema_arguments(DPSGDSettings),
-        "dpvr.optim:DPSGD",
+        "dpvr.algorithms.dp_sgd.algorithm:DPSGD",
         noise=Argument("noise_multiplier", float, _help.NOISE_MULTIPLIER),
         layout="sampled",
         audit_games=("dp-sgd",),
+        audit_module="dpvr.algorithms.dp_sgd.audit",
         data_parallel=all_reduced,
     )
 )

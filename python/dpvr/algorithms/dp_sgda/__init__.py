@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..privacy import DPSGDAPlan
-from ..registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
-from . import _help
+from ...privacy import DPSGDAPlan
+from ...registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
+from .. import _help
 
 _SAMPLING = ("wor", "poisson", "full")
 
@@ -33,7 +33,7 @@ SPEC = register(
         DPSGDAPlan,
         DPSGDAPlan,
         schema_arguments(DPSGDASettings),
-        "dpvr.optim:DPSGDA",
+        "dpvr.algorithms.dp_sgda.algorithm:DPSGDA",
         sigmas=(
             Sigma("x", "sigma_x", "noise std over C1 on the x-gradient batch mean"),
             Sigma("y", "sigma_y", "noise std over C2 on the y-gradient batch mean"),
@@ -41,6 +41,7 @@ SPEC = register(
         layout="sampled",
         problem="minimax",
         audit_games=("dp-sgda",),
+        audit_module="dpvr.algorithms.dp_sgda.audit",
         data_parallel=all_reduced,
     )
 )

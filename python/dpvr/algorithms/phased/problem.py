@@ -31,8 +31,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ...optim.gradients import finite_records
 from ...problems import Domain, FiniteSumProblem
-from ..gradients import finite_records
 
 # The certificate can be tight (isotropic problems attain it), so rounding in the residual could leave it a
 # few ulps below the true distance; this relative margin covers that.

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..privacy import DIFF2Plan
-from ..registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
-from .theorems import (
+from ...privacy import DIFF2Plan
+from ...registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
+from ..theorems import (
     Derived,
     Missing,
     Public,
@@ -103,7 +103,7 @@ SPEC = register(
         DIFF2Plan,
         DIFF2Plan,
         schema_arguments(DIFF2Settings),
-        "dpvr.optim:DIFF2",
+        "dpvr.algorithms.diff2.algorithm:DIFF2",
         sigmas=(
             Sigma("restart", "sigma1", "noise std over C1 on the average over clients"),
             Sigma("difference", "sigma2", "noise std over the radius C2,r"),
@@ -113,6 +113,7 @@ SPEC = register(
         layout="full-batch",
         federated=True,
         audit_games=("diff2-gd", "diff2-bvr-l-sgd"),
+        audit_module="dpvr.algorithms.diff2.audit",
         rules={"restart": restart_rule, "lr": lr_rule},
         steps_rule=rounds_rule,
         data_parallel=all_reduced,

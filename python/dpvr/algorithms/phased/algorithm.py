@@ -71,19 +71,19 @@ from numpy.typing import ArrayLike
 
 from ... import ops
 from ...ops import NoiseGenerator, check_nonfinite
+from ...optim.binding import bind_run, canonical, digest
+from ...optim.config import PrivacyConfig, RuntimeConfig
+from ...optim.guard import Guarded, PrivacyGuard, tightest_accountant
 from ...privacy import Accountant, PhasedPlan, account, output_perturbation_multiplier
 from ...privacy.mechanism import noise_dict
 from ...problems import FiniteSumProblem, check_problem
-from ..binding import bind_run, canonical, digest
-from ..config import PrivacyConfig, RuntimeConfig
-from ..guard import Guarded, PrivacyGuard, tightest_accountant
 from .problem import BaseSolver, CertificateError, PhaseProblem, split_rows
 from .solvers import KatyushaSolver, VRExtragradientSolver
 
 SETTINGS = ("sc", "c", "sc-sc", "c-c", "c-sc")
 GAUSSIAN = ("analytic", "classic", "paper", "tight")
 _STREAMS = ("x", "y")
-_FORMAT = "dpvr.optim.PhasedOutputPerturbation/3"
+_FORMAT = "dpvr.algorithms.PhasedOutputPerturbation/3"
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..privacy import PhasedPlan
-from ..registry import AlgorithmSpec, Sigma, register, schema_arguments
-from ..registry import setting as declare  # a field of the schema is itself named setting
+from ...privacy import PhasedPlan
+from ...registry import AlgorithmSpec, Sigma, register, schema_arguments
+from ...registry import setting as declare  # a field of the schema is itself named setting
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ SPEC = register(
         PhasedPlan,
         PhasedPlan,
         schema_arguments(PhasedSettings),
-        "dpvr.optim.phased:PhasedOutputPerturbation",
+        "dpvr.algorithms.phased.algorithm:PhasedOutputPerturbation",
         layout=None,  # make_private does not run it: the phases call the user's own solver
         sigmas=(
             Sigma("x", "sigma_x", "noise std over the replace-one sensitivity of x"),
@@ -55,5 +55,6 @@ SPEC = register(
         ),
         paper_options=schema_arguments(PhasedPaperNoise),
         audit_games=("phased",),
+        audit_module="dpvr.algorithms.phased.audit",
     )
 )

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..privacy import DoubleSpiderPlan
-from ..registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
-from . import _help
-from .theorems import Derived, Public, noise_constant, radius, spider_batch_sizes, spider_period_theorem7
+from ...privacy import DoubleSpiderPlan
+from ...registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
+from .. import _help
+from ..theorems import Derived, Public, noise_constant, radius, spider_batch_sizes, spider_period_theorem7
 
 STREAMS = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
 _SAMPLING = ("wor", "poisson")
@@ -64,7 +64,7 @@ SPEC = register(
         DoubleSpiderPlan,
         DoubleSpiderPlan,
         schema_arguments(DoubleSpiderSettings),
-        "dpvr.optim:DoubleSpider",
+        "dpvr.algorithms.double_spider.algorithm:DoubleSpider",
         noise=Argument(
             "noise_multipliers",
             floats,
@@ -72,6 +72,7 @@ SPEC = register(
         ),
         layout="per-stream",
         audit_games=("double-spider", "double-spider-difference", "double-spider-eta"),
+        audit_module="dpvr.algorithms.double_spider.audit",
         rules={
             "restart": restart_rule,
             "batch_sizes": spider_batch_sizes(len(STREAMS), STREAMS, ("eta-refresh", "x-refresh")),

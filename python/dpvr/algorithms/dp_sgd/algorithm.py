@@ -10,19 +10,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..grads.layer_clip import LayerRadii, layer_radii
-from ..privacy import Accountant, events
-from ..privacy.last_iterate import CyclicDPSGDPlan
-from . import prox as proximal
-from .base import LossFn, PrivateAlgorithm
-from .clipping import AdaptiveRadius, check_policy, split_noise
-from .config import PrivacyConfig, RuntimeConfig
-from .estimator import ClippedSum, DifferenceEstimator, Iterate, release, step_size
-from .gradients import ClippedGradients, accumulators, check_loss
-from .guard import BudgetExhaustedError, resolve_noise
-from .ledger import Release
-from .records import Records, as_records
-from .sampling import BatchSampler
+from ...grads.layer_clip import LayerRadii, layer_radii
+from ...optim import prox as proximal
+from ...optim.base import LossFn, PrivateAlgorithm
+from ...optim.clipping import AdaptiveRadius, check_policy, split_noise
+from ...optim.config import PrivacyConfig, RuntimeConfig
+from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, release, step_size
+from ...optim.gradients import ClippedGradients, accumulators, check_loss
+from ...optim.guard import BudgetExhaustedError, resolve_noise
+from ...optim.ledger import Release
+from ...optim.records import Records, as_records
+from ...optim.sampling import BatchSampler
+from ...privacy import Accountant, events
+from ...privacy.last_iterate import CyclicDPSGDPlan
 
 
 class DPSGD(PrivateAlgorithm):
@@ -403,45 +403,6 @@ def _last_iterate_class(cls: type) -> type:
     return _LAST_ITERATE[cls]
 
 
-class DPGD(DPSGD):
-    """DP-GD: :class:`DPSGD` on the full dataset every step (no sampling; replace-one by default).
-
-    Args:
-        model: the ``nn.Module`` whose trainable parameters are trained.
-        loss_fn: the per-record loss ``(output, target) -> scalar``.
-        inputs: the private records' inputs, or :class:`~dpvr.optim.records.Records`.
-        targets: the records' targets; omitted with ``Records``.
-        **kwargs: :class:`DPSGD`'s keyword arguments (``lr``, ``clip``, ``steps``, ``noise``, ``optimizer``,
-            ``privacy``, ``runtime``, ...); ``sampling`` may only be ``"full"`` and ``batch_size`` only
-            ``None`` or the dataset size.
-
-    Raises:
-        ValueError: a sampled batch is asked for (use :class:`DPSGD`), or as :class:`DPSGD` (e.g.
-            ``neighbouring="add-remove"``, under which the full-batch mean's divisor ``n`` is private).
-        TypeError: as :class:`DPSGD`.
-
-    Guarantee:
-        As :class:`DPSGD` with ``sampling="full"``: the composition of ``steps`` Gaussian mechanisms with
-        noise multiplier ``z`` under replace-one (default), behind the budget guard.
-    """
-
-    name = "DP-GD"
-
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        inputs: torch.Tensor | Records,
-        targets: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> None:
-        given = dict(kwargs)  # the binding records the settings given here (as given)
-        if kwargs.pop("sampling", "full") != "full" or kwargs.pop("batch_size", None) not in (
-            None,
-            len(inputs),
-        ):
-            raise ValueError("DPGD uses the full batch; use DPSGD for sampled batches")
-        super().__init__(model, loss_fn, inputs, targets, sampling="full", settings=given, **kwargs)
 
 
 def _check_arguments(clip: Any, clipping: Any, sampling: str, noise: Any, adaptive: Mapping[str, Any]) -> str:

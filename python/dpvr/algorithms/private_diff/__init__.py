@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..privacy import PrivateDiffPlan
-from ..registry import AlgorithmSpec, Sigma, register, schema_arguments, setting
-from . import _help
-from .theorems import (
+from ...privacy import PrivateDiffPlan
+from ...registry import AlgorithmSpec, Sigma, register, schema_arguments, setting
+from .. import _help
+from ..theorems import (
     Derived,
     Public,
     difference_multiplier,
@@ -130,7 +130,7 @@ SPEC = register(
         PrivateDiffPlan,
         PrivateDiffPlan,
         schema_arguments(PrivateDiffSettings),
-        "dpvr.optim:PrivateDiff",
+        "dpvr.algorithms.private_diff.algorithm:PrivateDiff",
         sigmas=(
             Sigma("checkpoint", "sigma_x1", "noise std over C1 on the batch mean"),
             Sigma("difference", "sigma_x2", "noise std over the radius C2,r"),
@@ -144,6 +144,7 @@ SPEC = register(
         layout="sampled",
         problem="minimax",
         audit_games=("private-diff", "private-diff-difference", "private-diff-y-output"),
+        audit_module="dpvr.algorithms.private_diff.audit",
         rules={"restart": restart_rule, "y_steps": y_steps_rule, "lr": lr_rule},
         steps_rule=rounds_rule,
         data_parallel=data_parallel,

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..privacy import RecursiveSpiderPlan
-from ..registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
-from . import _help
-from .theorems import Derived, Public, noise_constant, radius, spider_batch_sizes
+from ...privacy import RecursiveSpiderPlan
+from ...registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
+from .. import _help
+from ..theorems import Derived, Public, noise_constant, radius, spider_batch_sizes
 
 STREAMS = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s")
 _SAMPLING = ("wor", "poisson")
@@ -64,7 +64,7 @@ SPEC = register(
         RecursiveSpiderPlan,
         RecursiveSpiderPlan,
         schema_arguments(RecursiveSpiderSettings),
-        "dpvr.optim:RecursiveSpider",
+        "dpvr.algorithms.recursive_spider.algorithm:RecursiveSpider",
         noise=Argument(
             "noise_multipliers",
             floats,
@@ -77,6 +77,7 @@ SPEC = register(
             "recursive-spider-u",
             "recursive-spider-s",
         ),
+        audit_module="dpvr.algorithms.recursive_spider.audit",
         rules={
             "restart": restart_rule,
             "batch_sizes": spider_batch_sizes(
