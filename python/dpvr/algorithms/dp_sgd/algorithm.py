@@ -149,8 +149,6 @@ class DPSGD(PrivateAlgorithm):
     """
 
     name = "DP-SGD"
-    #: Whether only the last iterate is released (:class:`LastIterateDPSGD`, chosen by ``sampling="cyclic"``).
-    last_iterate_only = False
 
     def __init__(
         self,
@@ -178,7 +176,7 @@ class DPSGD(PrivateAlgorithm):
         runtime: RuntimeConfig = RuntimeConfig(),
         settings: Mapping[str, Any] | None = None,
     ) -> None:
-        if sampling == "cyclic" and not self.last_iterate_only:
+        if sampling == "cyclic" and not isinstance(self, LastIterateDPSGD):
             # The variant is a subclass chosen at construction, before any state is set: DPSGD(...,
             # sampling="cyclic") is the last-iterate algorithm, whose accounting and resumption are its own
             # methods rather than a flag read throughout. (Not in __new__: the signature users and
@@ -195,69 +193,81 @@ class DPSGD(PrivateAlgorithm):
         self.policy = _check_arguments(clip, clipping, sampling, noise,
                                        dict(target_quantile=target_quantile, clip_lr=clip_lr,
                                             count_noise=count_noise))
-        if optimizer is not None and sampling == "cyclic":
-            raise ValueError("optimizer: the last-iterate bound is proved for the (proximal) SGD step only")
-        lr = step_size(lr, optimizer)
+        lr = self._step_size(lr, optimizer, sampling)
         # Every quantity that shapes a release reads the public size: the data's own under replace-one, the
         # stated one under add/remove (where len(records) is private).
         n = len(records)
         neighbouring, public = privacy.relation_and_size(
             n, default=events.DPSGDPlan.default_neighbouring(sampling), sampling=sampling
         )
-        if self.last_iterate_only and sampling != "cyclic":
-            raise ValueError(f"sampling: {type(self).__name__} runs sampling='cyclic' only, got {sampling!r}")
-        if self.last_iterate_only:
-            if neighbouring != "replace-one":
-                raise ValueError("sampling='cyclic': the last-iterate bound is proved under replace-one only")
-            # Cyclic traversal is accounted as a whole by the last-iterate bound, not per sampled release.
-            self.sampler = BatchSampler("cyclic", n, batch_size, runtime.sampler_seed)
-            if weak_convexity is None or smoothness is None:
-                raise ValueError("sampling='cyclic': state weak_convexity (m) and smoothness (M) of the loss")
-            plan = CyclicDPSGDPlan(
-                dataset_size=n,
-                batch_size=self.sampler.batch_size,
-                steps=steps,
-                lr=lr,
-                clip=clip,
-                weak_convexity=weak_convexity,
-                smoothness=smoothness,
-                bound=bound,
-                clipping=self.policy != "none",
-                domain_diameter=getattr(prox, "diameter", math.inf),
-            )
-        else:
-            if prox is not None:
-                raise ValueError("prox: only the cyclic last-iterate algorithm takes a proximal term")
-            plan = events.DPSGDPlan(
-                steps=steps,
-                sampling=sampling,
-                batch_size=n if sampling == "full" else batch_size,
-                dataset_size=public,
-                neighbouring=neighbouring,
-            )
-            self.sampler = BatchSampler.for_stream(
-                plan, "gradient", n, runtime.sampler_seed, public_size=public
-            )
+        plan = self._plan(
+            sampling, n, public, neighbouring, runtime.sampler_seed, steps=steps, batch_size=batch_size,
+            lr=lr, clip=clip, prox=prox, weak_convexity=weak_convexity, smoothness=smoothness, bound=bound,
+        )  # fmt: skip
         self.adaptive: AdaptiveRadius | None = None
         if self.policy == "adaptive":
-            # The user's z (or the one calibrated for the plain plan) is what the pair of releases costs per
-            # step; the gradient's multiplier is raised to make room for the count's (clipping.split_noise).
-            # (one stream: a budget split across streams has nothing to split)
-            z = resolve_noise(plan, noise, dataclasses.replace(privacy, shares=None))["gradient"]
-            batch = self.sampler.batch_size  # public: the expected batch size, or n under replace-one
-            sigma_b = batch / 20.0 if count_noise is None else count_noise
-            self.adaptive = AdaptiveRadius(float(clip), 0.5 if target_quantile is None else target_quantile,
-                                           0.2 if clip_lr is None else clip_lr, sigma_b)
-            z_g, z_b = split_noise(z, self.adaptive.count_noise)
-            plan = events.AdaptiveClipDPSGDPlan(**{f.name: getattr(plan, f.name)
-                                                   for f in dataclasses.fields(events.DPSGDPlan)})
-            noise = {"gradient": z_g, "clip-count": z_b}
+            plan, noise = self._adaptive_plan(plan, noise, privacy, clip, target_quantile=target_quantile,
+                                              clip_lr=clip_lr, count_noise=count_noise)  # fmt: skip
         check_loss(model, loss_fn, *records.probe(1))
         super().__init__(
             model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
             data=records,
         )  # fmt: skip
         self.records = records
+        self._init_state(model, loss_fn, clip, lr=lr, steps=steps, prox=prox, optimizer=optimizer,
+                         runtime=runtime)
+
+    def _step_size(
+        self, lr: float | None, optimizer: torch.optim.Optimizer | None, sampling: str
+    ) -> float | None:
+        """The SGD step size (:func:`dpvr.optim.estimator.step_size`: required without an optimizer, refused
+        with one)."""
+        return step_size(lr, optimizer)
+
+    def _plan(
+        self, sampling: str, n: int, public: int, neighbouring: str, seed: int | None, *, steps: int,
+        batch_size: int | None, lr: float | None, clip: Any, prox: object | None,
+        weak_convexity: float | None, smoothness: float | None, bound: str,
+    ) -> Any:  # fmt: skip
+        """The accounted plan of the run, and its batch sampler (``self.sampler``): one sampled Gaussian
+        release per step, at the sampling rate of the public size ``public``."""
+        if prox is not None:
+            raise ValueError("prox: only the cyclic last-iterate algorithm takes a proximal term")
+        plan = events.DPSGDPlan(
+            steps=steps,
+            sampling=sampling,
+            batch_size=n if sampling == "full" else batch_size,
+            dataset_size=public,
+            neighbouring=neighbouring,
+        )
+        self.sampler = BatchSampler.for_stream(plan, "gradient", n, seed, public_size=public)
+        return plan
+
+    def _adaptive_plan(
+        self, plan: events.DPSGDPlan, noise: Any, privacy: PrivacyConfig, clip: Any, *,
+        target_quantile: float | None, clip_lr: float | None, count_noise: float | None,
+    ) -> tuple[events.AdaptiveClipDPSGDPlan, dict[str, float]]:  # fmt: skip
+        """Adaptive clipping's plan and the two streams' multipliers; sets ``self.adaptive`` (the radius's
+        state). The user's z (or the one calibrated for the plain plan) is what the pair of releases costs
+        per step; the gradient's multiplier is raised to make room for the count's
+        (:func:`dpvr.optim.clipping.split_noise`)."""
+        # (one stream: a budget split across streams has nothing to split)
+        z = resolve_noise(plan, noise, dataclasses.replace(privacy, shares=None))["gradient"]
+        batch = self.sampler.batch_size  # public: the expected batch size, or n under replace-one
+        sigma_b = batch / 20.0 if count_noise is None else count_noise
+        self.adaptive = AdaptiveRadius(float(clip), 0.5 if target_quantile is None else target_quantile,
+                                       0.2 if clip_lr is None else clip_lr, sigma_b)
+        z_g, z_b = split_noise(z, self.adaptive.count_noise)
+        plan = events.AdaptiveClipDPSGDPlan(**{f.name: getattr(plan, f.name)
+                                               for f in dataclasses.fields(events.DPSGDPlan)})
+        return plan, {"gradient": z_g, "clip-count": z_b}
+
+    def _init_state(
+        self, model: nn.Module, loss_fn: LossFn, clip: Any, *, lr: float | None, steps: int,
+        prox: object | None, optimizer: torch.optim.Optimizer | None, runtime: RuntimeConfig,
+    ) -> None:  # fmt: skip
+        """The run's state after the base class is set up: the radius, the clipped-gradient engine and the
+        buffers."""
         # The radius in force: one number (flat, adaptive: updated after each step), or per-layer radii.
         self.clip: float | LayerRadii = (layer_radii(model, clip) if self.policy == "per_layer"
                                          else float(clip))
@@ -281,9 +291,7 @@ class DPSGD(PrivateAlgorithm):
         inputs, targets = self.records.draw(self.sampler)
         # Per-record norms and losses in the parameters' dtype (the sum alone is float64).
         norms = self.flat[0].new_empty(len(inputs)) if self.policy in ("none", "adaptive") else None
-        # The batch's mean loss, from the pass that clipped it (not under the last-iterate bound: it is read
-        # at an intermediate iterate).
-        losses = None if self.last_iterate_only else self.flat[0].new_empty(len(inputs))
+        losses = self._loss_buffer(len(inputs))
         dropped = self.gradients.sum(inputs, targets, self.clip, self._sum, norms=norms, losses=losses,
                                      replace=True)
         if self.policy == "none" and not bool((norms <= self.clip).all()):
@@ -320,10 +328,17 @@ class DPSGD(PrivateAlgorithm):
         info = {"batch": batch, "nonfinite": dropped, **adaptive}
         if loss is not None:
             info["loss"] = loss  # a 0-d tensor: reading it waits for the device
-        # A last-iterate run's step length would reveal an intermediate iterate; an optimizer's is unmeasured.
-        if not self.last_iterate_only and math.isfinite(self.x.move):
-            info["move"] = self.x.move
+        info.update(self._move())
         return info
+
+    def _loss_buffer(self, size: int) -> torch.Tensor | None:
+        """Where the step's pass writes each record's loss, for the batch's mean loss in the step's info
+        (a diagnostic read at the iterate this step starts from, which was released)."""
+        return self.flat[0].new_empty(size)
+
+    def _move(self) -> dict[str, float]:
+        """The step's length in the step's info (an optimizer's is unmeasured: none then)."""
+        return {"move": self.x.move} if math.isfinite(self.x.move) else {}
 
     def _extra_state(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"sampler": self.sampler.state_dict()}
@@ -347,12 +362,55 @@ class LastIterateDPSGD(DPSGD):
         2.3 or 2.2, or the composition of the passes), under replace-one; a step is admitted only if the
         bound of the trajectory so far, one step longer, stays within the budget, and a resumption that would
         release a second trajectory from a checkpoint is refused (unless ``bound="composition"``).
-    """
 
-    last_iterate_only = True
+    The variant is this class's overrides of :class:`DPSGD`'s hooks, not a flag read throughout: the step
+    size (no optimizer), the plan and sampler, the budget check and record of each step, the resumption
+    check, and the step's information (no loss or step length, which would be read at an unreleased
+    iterate).
+    """
 
     def __init__(self, *args: Any, sampling: str = "cyclic", **kwargs: Any) -> None:
         super().__init__(*args, sampling=sampling, **kwargs)
+
+    def _step_size(
+        self, lr: float | None, optimizer: torch.optim.Optimizer | None, sampling: str
+    ) -> float | None:
+        if optimizer is not None and sampling == "cyclic":
+            raise ValueError("optimizer: the last-iterate bound is proved for the (proximal) SGD step only")
+        return super()._step_size(lr, optimizer, sampling)
+
+    def _plan(
+        self, sampling: str, n: int, public: int, neighbouring: str, seed: int | None, *, steps: int,
+        batch_size: int | None, lr: float | None, clip: Any, prox: object | None,
+        weak_convexity: float | None, smoothness: float | None, bound: str,
+    ) -> CyclicDPSGDPlan:  # fmt: skip
+        """The last-iterate bound's plan and the cyclic sampler: the traversal is accounted as a whole, not
+        per sampled release."""
+        if sampling != "cyclic":
+            raise ValueError(f"sampling: {type(self).__name__} runs sampling='cyclic' only, got {sampling!r}")
+        if neighbouring != "replace-one":
+            raise ValueError("sampling='cyclic': the last-iterate bound is proved under replace-one only")
+        self.sampler = BatchSampler("cyclic", n, batch_size, seed)
+        if weak_convexity is None or smoothness is None:
+            raise ValueError("sampling='cyclic': state weak_convexity (m) and smoothness (M) of the loss")
+        return CyclicDPSGDPlan(
+            dataset_size=n,
+            batch_size=self.sampler.batch_size,
+            steps=steps,
+            lr=lr,
+            clip=clip,
+            weak_convexity=weak_convexity,
+            smoothness=smoothness,
+            bound=bound,
+            clipping=self.policy != "none",
+            domain_diameter=getattr(prox, "diameter", math.inf),
+        )
+
+    def _loss_buffer(self, size: int) -> None:
+        return None  # the loss would be read at an intermediate iterate, which is not released
+
+    def _move(self) -> dict[str, float]:
+        return {}  # the step's length would reveal an intermediate iterate
 
     def _admit(self, stream: str) -> tuple[Any, Any]:
         # The bound covers this trajectory so far (the last-iterate bound, or the passes started): price it
