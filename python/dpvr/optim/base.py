@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -441,6 +442,20 @@ class PrivateAlgorithm(Guarded):
         state = read_checkpoint(path, self.name)
         self._check_state(state)
         self._resume(state, self.guard.ledger_of(state["ledger"], path))
+
+
+@functools.cache
+def variant_class(cls: type, variant: type) -> type:
+    """``cls`` in the form of ``variant``, a subclass chosen at construction by a setting (as
+    ``DPSGD(sampling="cyclic")`` is a :class:`~dpvr.algorithms.LastIterateDPSGD`): ``variant`` itself for its
+    base class, ``cls`` when it has that form already, and for any other subclass of the base (a user's, or
+    a test's) a class deriving from both, ``cls``'s own methods first and its name kept, made once."""
+    if issubclass(cls, variant):
+        return cls
+    if issubclass(variant, cls):
+        return variant
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (cls, variant), names)
 
 
 def _check_public_size(name: str, plan: Plan, stated: int | None) -> None:

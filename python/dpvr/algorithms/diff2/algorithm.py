@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...grads import trainable_parameters
-from ...optim.base import LossFn, PrivateAlgorithm
+from ...optim.base import LossFn, PrivateAlgorithm, variant_class
 from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, global_norm, step_size
 from ...optim.gradients import ClippedGradients, accumulators, check_loss
@@ -299,7 +299,7 @@ class DIFF2(PrivateAlgorithm):
             # routine="bvr-l-sgd") is DIFF2BVRLSGD, whose local steps are its own methods rather than a flag
             # read throughout. (Not in __new__: the signature users and make_private read would then be
             # __new__'s.)
-            self.__class__ = _bvr_l_sgd_class(type(self))
+            self.__class__ = variant_class(type(self), DIFF2BVRLSGD)
         settings = dict(
             lr=lr, steps=steps, restart=restart, clip=clip, noise=noise, routine=routine,
             local_steps=local_steps, local_batch=local_batch, output=output, max_radius=max_radius,
@@ -537,18 +537,3 @@ class DIFF2BVRLSGD(DIFF2):
         # The next round's radius spans the whole local trajectory: ||x_{K,r-1} - x_{0,r-1}||.
         self.x.move = global_norm([p - q for p, q in zip(self.x.point(), self.x.previous)])
         return dropped
-
-
-# A subclass of DIFF2 constructed with routine="bvr-l-sgd" -> its BVR-L-SGD form.
-_BVR_L_SGD: dict[type, type] = {}
-
-
-def _bvr_l_sgd_class(cls: type) -> type:
-    """``cls``'s BVR-L-SGD form: :class:`DIFF2BVRLSGD` for :class:`DIFF2`; for a subclass of DIFF2 (a
-    user's, or a test's), a class deriving from both, its own methods first, made once."""
-    if cls is DIFF2:
-        return DIFF2BVRLSGD
-    if cls not in _BVR_L_SGD:
-        _BVR_L_SGD[cls] = type(cls.__name__, (cls, DIFF2BVRLSGD),
-                               {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _BVR_L_SGD[cls]

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import ops
+from ...optim.base import variant_class
 from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
 from ...optim.records import Records, as_records
@@ -159,7 +160,7 @@ class PrivateDiff(MinimaxAlgorithm):
             # last-iterate form): PrivateDiff(..., y_release="output") is PrivateDiffOutputY, whose y-release
             # is its own methods rather than a flag read throughout. (Not in __new__: the signature users
             # and make_private read would then be __new__'s.)
-            self.__class__ = _output_y_class(type(self))
+            self.__class__ = variant_class(type(self), PrivateDiffOutputY)
         clip = stream_clips(clip, self._clip_streams, pairs=("difference",))
         records = as_records(inputs, targets)
         n = len(records)
@@ -448,19 +449,3 @@ class PrivateDiffOutputY(PrivateDiff):
             f"allowance over n={rounding.records} records, {rounding.allowance:.3g}, is at most "
             f"1/{_FLOOR} of y_tolerance, which leaves the iterations room to certify)"
         )
-
-
-# A subclass of PrivateDiff constructed with y_release="output" -> its output-perturbation form.
-_OUTPUT_Y: dict[type, type] = {}
-
-
-def _output_y_class(cls: type) -> type:
-    """``cls``'s output-perturbation form: :class:`PrivateDiffOutputY` for :class:`PrivateDiff`; for a
-    subclass of PrivateDiff (a user's, or a test's), a class deriving from both, its own methods first, made
-    once."""
-    if cls is PrivateDiff:
-        return PrivateDiffOutputY
-    if cls not in _OUTPUT_Y:
-        _OUTPUT_Y[cls] = type(cls.__name__, (cls, PrivateDiffOutputY),
-                              {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _OUTPUT_Y[cls]
