@@ -6,7 +6,9 @@ Every squared norm is accumulated in float64 (inputs of either dtype convert exa
 upper bound: for each part the computed value plus ``2 (chain + 8) u R^2``, where ``R`` bounds the part's
 exact norm (triangle inequality over its rank-one pieces), ``chain`` bounds the roundings any one product
 meets in whatever order the reductions run (it counts every addition of a sequential sum, which no summation
-tree exceeds), and ``u = 2^-53``; the sum over parts adds its own bound, as in the native kernel.
+tree exceeds), and ``u = 2^-53``; the sum over parts adds its own bound, as in the native kernel. The
+float32 Gram form (:func:`gram32_term`, the cost model's ``"gram32"``, on the host) forms its Gram blocks
+in float32 and prices that rounding in its own bound.
 """
 
 from __future__ import annotations
