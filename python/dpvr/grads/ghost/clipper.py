@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -137,6 +137,34 @@ class _Kept:
     point: list[Tensor]
     state: list[tuple[Tensor, int]]
     modes: tuple[bool, ...]
+
+
+@dataclass
+class _Pass:
+    """What one recording pass gathers as the model runs: each layer's calls; ``pending``, ``(call, output
+    leaf index or internal name, gradient edge, the output's zeros)`` for every output whose gradient the
+    backward pass finds (the outputs are not held, so each is freed when the forward no longer needs it, as
+    in an unrecorded pass); ``exposed``, the internals of the call now running; ``moved``, ``id(call)`` ->
+    the batch dimension of its outputs, where not 0."""
+
+    batch: int
+    calls: dict[_Layer, list[LayerCall]]
+    pending: list[tuple[LayerCall, int | str, Any, Callable[[], Tensor]]] = field(default_factory=list)
+    exposed: dict[_Layer, dict[str, Tensor]] = field(default_factory=dict)
+    moved: dict[int, int] = field(default_factory=dict)
+
+
+def _recording_forward(layer: _Layer, original: Callable[..., Any],
+                       exposed: dict[_Layer, dict[str, Tensor]]) -> Callable[..., Any]:
+    """``layer``'s forward for a recording pass: its rule's own (:meth:`GhostRule.recording_forward`), which
+    leaves the internals it exposes in ``exposed`` for the hook, or ``original`` where the rule declines."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        got = layer.rule.recording_forward(args, kwargs)
+        if got is None:
+            return original(*args, **kwargs)
+        output, exposed[layer] = got
+        return output
+    return forward
 
 
 def _unchanged(pairs: list[tuple[Tensor, int]], now: Sequence[Tensor]) -> bool:
@@ -462,69 +490,9 @@ class GhostClipper:
         never the model's own parameters: autocast caches its casts of those until its region ends, which
         would serve a later step stale weights."""
         batch = len(inputs)
-        calls: dict[_Layer, list[LayerCall]] = {layer: [] for layer in self._layers}
-        # (call, output leaf index or internal name, gradient edge, the output's zeros): the outputs are not
-        # held, so each is freed when the forward no longer needs it, as in an unrecorded pass.
-        pending: list[tuple[LayerCall, int | str, Any, Callable[[], Tensor]]] = []
-        exposed: dict[_Layer, dict[str, Tensor]] = {}  # internals of the call now running
-        moved: dict[int, int] = {}  # id(call) -> the batch dimension of its outputs, where not 0
-
-        def forward_for(layer: _Layer, original: Any):
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                got = layer.rule.recording_forward(args, kwargs)
-                if got is None:
-                    return original(*args, **kwargs)
-                output, exposed[layer] = got
-                return output
-            return forward
-
-        def hook_for(layer: _Layer):
-            local = {attr: values[self._index_of[id(p)]] if id(p) in self._index_of else p.detach()
-                     for attr, p in layer.module.named_parameters()}
-
-            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-                shared = _shared_call(args, kwargs, output, batch)
-                if shared:  # one call serving every record (position ids): made a call per record
-                    args, kwargs = tree_map(lambda v: _per_record(v, batch), (args, kwargs))
-                    output = _per_record(output, batch)
-                dim = self._batch_dim(layer, output, batch)
-                if dim:  # a position-wise layer reading the batch at another dimension: recorded batch-first
-                    args, kwargs = tree_map(lambda v: _batch_first(v, dim, batch), (args, kwargs))
-                if not kwargs and all(type(v) is Tensor for v in args):  # the common call, without pytrees
-                    flat = [v.detach() for v in args]
-                    recorded = (tuple(_widened(v, self._dtype) for v in flat), {})
-                else:
-                    flat, spec = tree_flatten((args, kwargs))
-                    flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
-                    recorded = tree_unflatten([_widened(v, self._dtype) for v in flat], spec)
-                outs = [output] if type(output) is Tensor else tree_flatten(output)[0]
-                call = LayerCall(*recorded, [None] * len(outs), local, batch,
-                                 [(t, t._version) for t in flat if isinstance(t, Tensor)])
-                if dim:
-                    moved[id(call)] = dim
-                internals = exposed.pop(layer, {})
-                call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()
-                                  if name in layer.rule.internal_values}
-                for k, o in [*enumerate(outs), *internals.items()]:
-                    if isinstance(o, Tensor) and o.requires_grad:
-                        # The edge pins the gradient to this version of the output, even if a later operation
-                        # modifies it in place (ReLU(inplace=True)).
-                        pending.append((call, k, get_gradient_edge(o), _zeros_like(o)))
-                calls[layer].append(call)
-                return output if shared else None
-            return hook
-
-        handles = [layer.module.register_forward_hook(hook_for(layer), with_kwargs=True) for layer in calls]
-        # Rules that record intermediate tensors run their own forward; an instance attribute shadows the
-        # class's method for this pass only.
-        replaced = [layer.module for layer in calls
-                    if type(layer.rule).recording_forward is not GhostRule.recording_forward
-                    and "forward" not in vars(layer.module)]
-        for layer in calls:
-            if layer.module in replaced:
-                layer.module.forward = forward_for(layer, layer.module.forward)
+        run = _Pass(batch, {layer: [] for layer in self._layers})
         try:
-            with torch.enable_grad():
+            with self._recording(run, values), torch.enable_grad():
                 # Leaves that require gradients: every tracked output has a gradient edge.
                 leaves = {name: v.detach().requires_grad_() for (name, _), v in zip(self._named, values)}
                 output = functional_call(self.model, leaves, *model_args(inputs))
@@ -534,29 +502,18 @@ class GhostClipper:
                 if tuple(losses.shape) != (batch,):
                     raise ValueError("loss_fn must return a scalar per sample; it returned shape "
                                      f"{tuple(losses.shape[1:])}")
-                grads = (torch.autograd.grad(losses.sum(), [e for _, _, e, _ in pending], allow_unused=True)
-                         if pending and losses.requires_grad else [None] * len(pending))
+                edges = [e for _, _, e, _ in run.pending]
+                grads = (torch.autograd.grad(losses.sum(), edges, allow_unused=True)
+                         if edges and losses.requires_grad else [None] * len(edges))
         except _LayoutUnknown:  # learned once, then recorded again
             relearn = True
         else:
             relearn = False
-        finally:
-            for h in handles:
-                h.remove()
-            for module in replaced:
-                del module.forward
         if relearn:
             self._batch_dims = self._learn_layout(inputs, values)
             return self._run(inputs, targets, values)
-        for (call, k, _, zeros), g in zip(pending, grads):
-            g = _widened(zeros() if g is None else g, self._dtype)  # None: the loss ignores it
-            if id(call) in moved and isinstance(k, int):
-                g = _batch_first(g, moved[id(call)], batch)
-            if isinstance(k, str):
-                call.internal_grads[k] = g
-            else:
-                call.grads[k] = g
-        for layer, cs in calls.items():
+        self._attach_gradients(run, grads)
+        for layer, cs in run.calls.items():
             if not cs:
                 raise ValueError(f"layer {layer.name!r} was not called in the forward pass, so its "
                                  "parameters get no per-sample gradient (if another module reads them, ghost "
@@ -564,7 +521,81 @@ class GhostClipper:
                                  "requires_grad_(False)")
             for c in cs:
                 layer.rule.check(layer.name, c, batch)
-        return _Recording(calls, _widened(losses.detach(), self._dtype))
+        return _Recording(run.calls, _widened(losses.detach(), self._dtype))
+
+    @contextlib.contextmanager
+    def _recording(self, run: _Pass, values: list[Tensor]) -> Iterator[None]:
+        """The tracked layers record their calls into ``run`` (:meth:`_recording_hook`) while the context is
+        open; their hooks and replaced forwards are removed when it closes, however it closes."""
+        handles = [layer.module.register_forward_hook(self._recording_hook(layer, values, run),
+                                                      with_kwargs=True) for layer in run.calls]
+        # Rules that record intermediate tensors run their own forward; an instance attribute shadows the
+        # class's method for this pass only.
+        replaced = [layer.module for layer in run.calls
+                    if type(layer.rule).recording_forward is not GhostRule.recording_forward
+                    and "forward" not in vars(layer.module)]
+        for layer in run.calls:
+            if layer.module in replaced:
+                layer.module.forward = _recording_forward(layer, layer.module.forward, run.exposed)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for module in replaced:
+                del module.forward
+
+    def _recording_hook(self, layer: _Layer, values: list[Tensor], run: _Pass) -> Callable[..., Any]:
+        """The forward hook that records each call of ``layer`` into ``run``: its inputs (batch-first, half
+        precision widened), its parameters at ``values``, the internals its rule's forward exposed, and a
+        gradient edge for each output that needs a gradient."""
+        local = {attr: values[self._index_of[id(p)]] if id(p) in self._index_of else p.detach()
+                 for attr, p in layer.module.named_parameters()}
+        batch = run.batch
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            shared = _shared_call(args, kwargs, output, batch)
+            if shared:  # one call serving every record (position ids): made a call per record
+                args, kwargs = tree_map(lambda v: _per_record(v, batch), (args, kwargs))
+                output = _per_record(output, batch)
+            dim = self._batch_dim(layer, output, batch)
+            if dim:  # a position-wise layer reading the batch at another dimension: recorded batch-first
+                args, kwargs = tree_map(lambda v: _batch_first(v, dim, batch), (args, kwargs))
+            if not kwargs and all(type(v) is Tensor for v in args):  # the common call, without pytrees
+                flat = [v.detach() for v in args]
+                recorded = (tuple(_widened(v, self._dtype) for v in flat), {})
+            else:
+                flat, spec = tree_flatten((args, kwargs))
+                flat = [v.detach() if isinstance(v, Tensor) else v for v in flat]
+                recorded = tree_unflatten([_widened(v, self._dtype) for v in flat], spec)
+            outs = [output] if type(output) is Tensor else tree_flatten(output)[0]
+            call = LayerCall(*recorded, [None] * len(outs), local, batch,
+                             [(t, t._version) for t in flat if isinstance(t, Tensor)])
+            if dim:
+                run.moved[id(call)] = dim
+            internals = run.exposed.pop(layer, {})
+            call.internals = {name: _widened(t.detach(), self._dtype) for name, t in internals.items()
+                              if name in layer.rule.internal_values}
+            for k, o in [*enumerate(outs), *internals.items()]:
+                if isinstance(o, Tensor) and o.requires_grad:
+                    # The edge pins the gradient to this version of the output, even if a later operation
+                    # modifies it in place (ReLU(inplace=True)).
+                    run.pending.append((call, k, get_gradient_edge(o), _zeros_like(o)))
+            run.calls[layer].append(call)
+            return output if shared else None
+        return hook
+
+    def _attach_gradients(self, run: _Pass, grads: Sequence[Tensor | None]) -> None:
+        """Each recorded output's (or internal's) gradient onto its call, widened from half precision and
+        batch-first; zeros where the loss ignores the output."""
+        for (call, k, _, zeros), g in zip(run.pending, grads):
+            g = _widened(zeros() if g is None else g, self._dtype)  # None: the loss ignores it
+            if id(call) in run.moved and isinstance(k, int):
+                g = _batch_first(g, run.moved[id(call)], run.batch)
+            if isinstance(k, str):
+                call.internal_grads[k] = g
+            else:
+                call.grads[k] = g
 
     # ---- parts, factors, sums ----
 
