@@ -314,3 +314,18 @@ def test_the_clipper_keeps_the_float32_gram_form_within_the_budget(monkeypatch, 
     ghost64 = GhostClipper(SeqNet().double(), nn.functional.mse_loss)
     ghost64.clipped_sum(x.double(), y.double(), 1.0)
     assert {c.form for c in ghost64.choices.values()} == {"gram"}
+
+
+def test_explain_shows_the_float32_gram_form() -> None:
+    """``dpvr bench step --explain`` prints a predicted time for every form, this one included."""
+    step = pytest.importorskip("dpvr_lab.bench.step")
+    with cost.pinned_rates(RATES):
+        text = step.explain(cases=["cnn"], batch=4, rounds=1)
+    lines = text.splitlines()
+    header = lines[1].split()
+    assert header[-2:] == ["gram32", "ms"] and len(cost.FORMS) == 5
+    rows = [line.split() for line in lines[2:]]
+    assert rows and all(len(r) == 6 + len(cost.FORMS) for r in rows)
+    steps = {r[0]: int(r[2]) for r in rows}
+    # float32 layers with steps have a finite gram32 prediction; one-step layers too (Gram of one entry)
+    assert all(r[-1] != "-" for r in rows) and max(steps.values()) > 1
