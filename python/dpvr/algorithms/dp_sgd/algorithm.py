@@ -12,7 +12,7 @@ from torch import nn
 
 from ...grads.layer_clip import LayerRadii, layer_radii
 from ...optim import prox as proximal
-from ...optim.base import LossFn, PrivateAlgorithm
+from ...optim.base import LossFn, PrivateAlgorithm, variant_class
 from ...optim.clipping import AdaptiveRadius, check_policy, split_noise
 from ...optim.config import PrivacyConfig, RuntimeConfig
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, release, step_size
@@ -181,7 +181,7 @@ class DPSGD(PrivateAlgorithm):
             # sampling="cyclic") is the last-iterate algorithm, whose accounting and resumption are its own
             # methods rather than a flag read throughout. (Not in __new__: the signature users and
             # make_private read would then be __new__'s.)
-            self.__class__ = _last_iterate_class(type(self))
+            self.__class__ = variant_class(type(self), LastIterateDPSGD)
         if settings is None:  # what the binding records: every argument above but the model, loss and data
             settings = dict(
                 lr=lr, clip=clip, steps=steps, batch_size=batch_size, sampling=sampling, noise=noise,
@@ -446,19 +446,6 @@ class LastIterateDPSGD(DPSGD):
         self.guard.record(*admitted, replace=True)
 
 
-# A subclass of DPSGD constructed with sampling="cyclic" -> its last-iterate form.
-_LAST_ITERATE: dict[type, type] = {}
-
-
-def _last_iterate_class(cls: type) -> type:
-    """``cls``'s last-iterate form: :class:`LastIterateDPSGD` for :class:`DPSGD`; for a subclass of DPSGD
-    (a user's, or a test's), a class deriving from both, its own methods first, made once."""
-    if cls is DPSGD:
-        return LastIterateDPSGD
-    if cls not in _LAST_ITERATE:
-        _LAST_ITERATE[cls] = type(cls.__name__, (cls, LastIterateDPSGD),
-                                  {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _LAST_ITERATE[cls]
 
 
 
