@@ -161,3 +161,19 @@ def test_the_theorems_protocol_the_experiment_runs_is_the_library_default():
     plan = regime.schedule("DIFF2-GD", 50_000, 10, 1.0, 0.6)
     ref = diff2_protocol(50_000, 1, 10, 1.0, regime.DELTA, regime.G_PHI, regime.L_PHI, 0.6)
     assert (plan.rounds, plan.restart, plan.lr) == (ref.rounds, ref.restart, ref.lr)
+
+
+def test_a_run_thrown_onto_phis_plateau_counts_as_no_progress():
+    """``scored``: phi is flat far from x*, so an iterate far out has a tiny gradient at an objective above
+    the start's; it reports the start's norm and ``escaped``, an iterate near x* its own norm, a non-finite
+    one the start's. Without the rule the far iterate would score as the best of the three."""
+    p = Problem.planted([3], 4, 20)
+    far = 1e3 * np.ones((1, 4))
+    x = np.concatenate([far, 0.999 * p.solution, np.full((1, 4), np.nan)])
+    problem = Problem(np.repeat(p.atoms, 3, 0), np.repeat(p.targets, 3, 0), np.repeat(p.solution, 3, 0))
+    raw = np.linalg.norm(problem.gradient(x), axis=1)
+    assert raw[0] < raw[1] and problem.value(x)[0] > problem.value(np.zeros_like(x))[0]
+    norms, escaped = regime.scored(x, problem.value, problem.gradient)
+    at_start = np.linalg.norm(problem.gradient(np.zeros_like(x)), axis=1)
+    assert escaped.tolist() == [True, False, True]
+    assert norms[0] == at_start[0] and norms[2] == at_start[2] and norms[1] == raw[1]

@@ -377,13 +377,8 @@ def evaluate(method: str, problem: Problem, n: int, protocol: Protocol, epsilon:
         x, lam = run_spider(problem, n, protocol.rounds, protocol.restart, int(protocol.tau), protocol.lr,
                             protocol.lr_y, noise, spider_constants(), rng)
     value = objective(problem, x)
-    # phi is flat far from x*: a run thrown out there has a vanishing gradient at a worse objective than
-    # its start, which is not the stationary point the theorems mean; it counts as no progress.
-    start = np.zeros_like(x)
-    escaped = ~(value <= objective(problem, start))
-    norms = np.linalg.norm(gradient(problem, x), axis=1)
-    escaped |= ~np.isfinite(norms)
-    norms = np.where(escaped, np.linalg.norm(gradient(problem, start), axis=1), norms)
+    norms, escaped = regime.scored(x, functools.partial(objective, problem),
+                                   functools.partial(gradient, problem))
     return {"norms": norms, "lam": lam, "noise": noise, "spent": float(spent), "objective": value,
             "escaped": escaped, "capped": np.zeros(len(x), dtype=np.int64)}
 

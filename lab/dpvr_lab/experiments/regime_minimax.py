@@ -225,9 +225,9 @@ def evaluate(method: str, problem: MinimaxPlanted, n: int, protocol: Protocol, e
         noise.setdefault("difference", 0.0)
         x, capped = run_private_diff(problem, n, protocol.rounds, protocol.restart, protocol.lr, noise,
                                      offset(n, noise["y"]), rng)
-    norms = np.linalg.norm(problem.primal_gradient(x), axis=1)
-    norms = np.where(np.isfinite(norms), norms, np.inf)
-    return {"norms": norms, "capped": capped, "noise": noise, "spent": float(spent)}
+    # Phi = F^2 / 2 with F >= 0: F orders the iterates as Phi does
+    norms, escaped = regime.scored(x, problem.value, problem.primal_gradient)
+    return {"norms": norms, "escaped": escaped, "capped": capped, "noise": noise, "spent": float(spent)}
 
 
 def theory_crossover(dimension: int, epsilon: float, gap: float) -> float:
@@ -270,10 +270,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         norms.setdefault((label, "", epsilon), []).append(result["norms"])
                         for i, seed in enumerate(seeds):
                             metrics = {
-                                "grad_norm": float(result["norms"][i]), "n": n, "dimension": d,
-                                "coordinate": n * epsilon / math.sqrt(d), "rounds": plan.rounds,
-                                "restart": plan.restart, "lr": plan.lr, "lr_y": plan.lr_y, "tau": plan.tau,
-                                "bound": plan.bound, "noise": result["noise"],
+                                "grad_norm": float(result["norms"][i]), "escaped": bool(result["escaped"][i]),
+                                "n": n, "dimension": d, "coordinate": n * epsilon / math.sqrt(d),
+                                "rounds": plan.rounds, "restart": plan.restart, "lr": plan.lr,
+                                "lr_y": plan.lr_y, "tau": plan.tau, "bound": plan.bound,
+                                "noise": result["noise"],
                                 "capped_rounds": int(result["capped"][i]), "gap": float(gaps[i]),
                                 "tuning_scores": scores,
                             }

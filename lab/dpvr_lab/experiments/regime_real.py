@@ -144,10 +144,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     norms.setdefault((label, "", epsilon), []).append(result["norms"])
                     for i, seed in enumerate(seeds):
                         values = {
-                            "grad_norm": float(result["norms"][i]), "test_accuracy": float(accuracy[i]),
-                            "n": n, "dimension": d, "coordinate": n * epsilon / math.sqrt(d),
-                            "rounds": plan.rounds, "restart": plan.restart, "lr": plan.lr, "tau": plan.tau,
-                            "bound": plan.bound, "noise": result["noise"],
+                            "grad_norm": float(result["norms"][i]), "escaped": bool(result["escaped"][i]),
+                            "test_accuracy": float(accuracy[i]), "n": n, "dimension": d,
+                            "coordinate": n * epsilon / math.sqrt(d), "rounds": plan.rounds,
+                            "restart": plan.restart, "lr": plan.lr, "tau": plan.tau, "bound": plan.bound,
+                            "noise": result["noise"],
                             "capped_rounds": int(result["capped"][i]),
                         }
                         records_.append(Record(label, f"mnist1d-onevsrest{LABEL}-d{d}-m{m}", epsilon,
@@ -192,8 +193,8 @@ def evaluate(method: str, problem: Problem, n: int, plan, epsilon: float) -> dic
     else:
         noise, spent = regime._noise_diff2(n, plan.rounds, plan.restart, epsilon)
         x, capped = regime.run_diff2(problem, n, plan.rounds, plan.restart, plan.lr, noise, rng)
-    norms = np.linalg.norm(problem.gradient(x), axis=1)
-    return {"x": x, "norms": np.where(np.isfinite(norms), norms, np.inf), "capped": capped, "noise": noise,
+    norms, escaped = regime.scored(x, problem.value, problem.gradient)
+    return {"x": x, "norms": norms, "escaped": escaped, "capped": capped, "noise": noise,
             "spent": float(spent)}
 
 
