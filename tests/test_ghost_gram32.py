@@ -316,6 +316,35 @@ def test_the_clipper_keeps_the_float32_gram_form_within_the_budget(monkeypatch, 
     assert {c.form for c in ghost64.choices.values()} == {"gram"}
 
 
+class WideThenNarrow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide, self.narrow = nn.Linear(64, 48), nn.Linear(48, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.narrow(torch.tanh(self.wide(x))).mean(dim=(1, 2))
+
+
+def test_the_scratch_leaves_room_for_parts_materialised_after_the_choice(monkeypatch) -> None:
+    """The wide map takes the float32 Gram form (its matrices do not fit the budget), the narrow map after it
+    is materialised: the Gram blocks, which run while those matrices are held, get what is left."""
+    monkeypatch.setattr(cost, "FORMS", ("materialise", "gram", "gram32"))
+    budget = 100_000.0  # bytes: below the wide map's 6 x 64 x 48 matrices (221 kB with their float64 copy)
+    monkeypatch.setenv(cost.BUDGET_ENV, str(budget / MIB))
+    seen = []
+    raw = norms.gram32_term
+    monkeypatch.setattr(norms, "gram32_term", lambda part, scratch=None: seen.append(scratch)
+                        or raw(part, scratch))
+    torch.manual_seed(8)
+    x, y = torch.randn(6, 20, 64), torch.randn(6)
+    with cost.pinned_rates(GRAM32):
+        ghost = GhostClipper(WideThenNarrow(), nn.functional.mse_loss)
+        ghost.clipped_sum(x, y, 1.0)
+    assert ghost.choices["wide.weight"].form == "gram32"
+    assert ghost.choices["narrow.weight"].form == "materialise"
+    assert seen == [budget - 6 * 48 * 2 * 4]  # the narrow map's float32 matrices are held meanwhile
+
+
 def test_explain_shows_the_float32_gram_form() -> None:
     """``dpvr bench step --explain`` prints a predicted time for every form, this one included."""
     step = pytest.importorskip("dpvr_lab.bench.step")

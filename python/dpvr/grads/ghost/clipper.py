@@ -268,6 +268,7 @@ class GhostClipper:
         self._batch_dims: dict[_Layer, int] | None = None  # learned at the first recording
         # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
         self.choices: dict[str, cost.Choice] = {}
+        self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
 
     def _track(self, model: nn.Module) -> list[_Layer]:
         """The modules that own trainable parameters, each with its rule (the fallback when none applies)."""
@@ -638,6 +639,11 @@ class GhostClipper:
                         parts.append((k, part))
             # A shared parameter's per-sample vector adds its modules' terms (ghost where they pair up).
             parts += [(k, shared(ps, self._named[k][1].shape)) for k, ps in used.items()]
+        # The float32 Gram form's blocks run while every part materialised at these points is held, and the
+        # layers' choices each saw only the earlier layers' parts held: its scratch is capped by what the
+        # memory budget leaves after all of them (read by _factors).
+        held = rec.held + (rec_b.held if rec_b is not None else 0.0)
+        self._scratch_room = max(cost.direct_budget_bytes() - held, 0.0)
         return parts
 
     @staticmethod
@@ -755,7 +761,7 @@ class GhostClipper:
                             outer_bounds=bounds if outers else None)
             known = {id(p): bounds[j] for j, p in enumerate(outers)}
             # The float32 Gram form's upper bounds (value + its priced rounding, norms.gram32_term), and R_i.
-            terms32, magnitudes = torch_norms.gram32_terms(gram32)
+            terms32, magnitudes = torch_norms.gram32_terms(gram32, self._scratch_room)
             known.update({id(p): r for p, r in zip(gram32, magnitudes)})
             error = torch_norms.write_error(parts, batch, dtype, self._device, known=known,
                                             accumulate=torch.float64)

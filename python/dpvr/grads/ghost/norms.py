@@ -341,10 +341,15 @@ def _norms_from_diagonal(gram: Tensor, kappa: float, g: float) -> Tensor:
     return (kappa + torch.sqrt(kappa * kappa + (1.0 - g) * (kappa + d))) / (1.0 - g) * (1.0 + 16.0 * U64)
 
 
-def gram32_terms(parts: Sequence[Outer]) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+def gram32_terms(parts: Sequence[Outer], room: float | None = None) -> tuple[list[tuple[Tensor, Tensor]],
+                                                                           list[Tensor]]:
     """Each Outer part's ``(value, bound)`` pair by the float32 Gram form (:func:`gram32_term`, with the
-    scratch its choice allowed: :attr:`Outer.norm_scratch`) for :func:`_upper_sum`, and its ``R``."""
-    got = [gram32_term(p, p.norm_scratch) for p in parts]
+    scratch its choice allowed, :attr:`Outer.norm_scratch`, and at most ``room`` bytes) for
+    :func:`_upper_sum`, and its ``R``."""
+    got = []
+    for p in parts:
+        caps = [c for c in (p.norm_scratch, room) if c is not None]
+        got.append(gram32_term(p, min(caps, default=None)))
     return [(v, b) for v, b, _ in got], [r for _, _, r in got]
 
 
