@@ -26,11 +26,12 @@ samples, widths ``p`` and ``q``) has three forms:
   pair of blocks ``I <= J`` two batched float32 matmuls (``2 B T_I T_J (p + q)`` flops at the batched
   float32 matmul rate), then float64 passes over the blocks (the products summed, and the weighted sums
   that price the float32 rounding: :data:`GRAM32_ENTRY_TRAFFIC` bytes per entry at the copy rate), then
-  the same float64 sum. Its value plus its a-priori rounding bound (about ``(p + q) 2^-24`` of the squared
-  norm where the steps are uncorrelated, up to ``T`` times that where they are aligned or cancel) is an
+  the same float64 sum. Its value plus its a-priori rounding bound (about ``(p + q) 2^-24 (1 + T /
+  sqrt(min(p, q)))`` of the squared norm where the steps are uncorrelated, more where they cancel) is an
   upper bound on the exact squared norm, as the native forms' are. Memory: chunks of samples' pairs of
-  blocks, at most :data:`GRAM32_SCRATCH` bytes or what is left of the memory budget if less; refused when
-  one sample's largest pair does not fit there, or when the widths are too large for the bound.
+  blocks, at most :data:`GRAM32_SCRATCH` bytes or what the memory budget leaves after the parts
+  materialised at the point, if less; refused when one sample's largest pair does not fit what is left at
+  its choice, or when the widths are too large for the bound.
 
 The rates come from a short micro-benchmark (:func:`calibrate`, well under a second) run once per machine
 and cached as JSON under the user's cache directory (``$XDG_CACHE_HOME/dpvr`` or ``~/.cache/dpvr``), keyed
