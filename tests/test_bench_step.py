@@ -6,8 +6,8 @@ import pytest
 
 from dpvr_lab.bench import step
 
-DPVR = ["dpvr-make-private-dp-sgd", "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost", "dpvr-diff2-ghost-recompute",
-        "dpvr-fresh-diff-ghost"]
+DPVR = ["dpvr-make-private-dp-sgd", "dpvr-dp-sgd-bare", "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost",
+        "dpvr-diff2-ghost-recompute", "dpvr-fresh-diff-ghost"]
 
 
 @pytest.mark.slow  # a benchmark run
@@ -27,6 +27,7 @@ def test_each_case_times_every_method(case: str) -> None:
         assert r.metrics["peak_mib"] > 0 and r.metrics["memory_vs_non_private"] > 0, r
         if r.method.startswith("dpvr"):
             assert 0 < r.metrics["native_share"] < 1, r
+        assert ("ratio_vs_bare" in r.metrics) == (r.method == "dpvr-make-private-dp-sgd"), r
 
 
 @pytest.mark.slow  # Opacus on a small GPT-2

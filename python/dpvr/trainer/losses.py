@@ -137,6 +137,11 @@ def per_sample(criterion: Criterion) -> Criterion:
     criterion = _public_normaliser(criterion)
 
     def loss(output: Any, target: Any) -> Tensor:
+        if type(output) is Tensor and type(target) is Tensor:
+            # The common case, run once per step under vmap: the very call of the general path below (a
+            # plain tensor goes to the criterion as it is, and its errors carry no hint), without the tree
+            # traversals and the checks that only structured outputs need.
+            return criterion(output.unsqueeze(0), target.unsqueeze(0)).reshape(())
         batched, target = (tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, v)
                            for v in (output, target))
         try:
