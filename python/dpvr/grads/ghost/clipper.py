@@ -680,7 +680,7 @@ class GhostClipper:
                                 max(cost.direct_budget_bytes() - rec.held, 0.0))
                         continue
                     batch, _, p, q = choice.shapes
-                    rec.held += batch * p * q * part.pieces[0][0].element_size()
+                    rec.held += batch * p * q * choice.itemsize  # from the shapes: no unfolding
                 elif not part.worth_materialising():  # off the host: the memory rule
                     continue
                 got[attr], materialised = Dense(part.per_sample()), True

@@ -103,6 +103,7 @@ class Choice:
     form: str
     seconds: dict[str, float]
     shapes: tuple[int, int, int, int]  # (B, T, p, q)
+    itemsize: int = 4  # bytes per entry of the recorded tensors (what a materialised matrix holds)
 
 
 def direct_budget_bytes() -> float:
@@ -177,7 +178,7 @@ def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates |
     budget = direct_budget_bytes() if budget is None else budget
     seconds = predict(batch, steps, p, q, itemsize, rates, budget)
     form = min(FORMS, key=lambda f: seconds[f])
-    return Choice(form, seconds, (batch, steps, p, q))
+    return Choice(form, seconds, (batch, steps, p, q), itemsize)
 
 
 # ---- calibration ----
