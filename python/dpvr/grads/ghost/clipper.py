@@ -167,6 +167,25 @@ def _recording_forward(layer: _Layer, original: Callable[..., Any],
     return forward
 
 
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _same_bits(kept: Sequence[Tensor], now: Sequence[Tensor]) -> bool:
+    """Whether each tensor of ``now`` holds bit for bit the values of ``kept``'s (compared as integers: a
+    point differing only in the sign of a zero is another point, and a NaN is the same NaN).
+
+    On the host it stops at the first tensor that differs and allocates nothing: a difference round asks
+    twice, once for the kept point (all of it equal) and once for the new one (differing at once), and
+    a comparison by value that formed every tensor's mask cost a tenth of a ResNet's round. On a device,
+    one synchronisation for all tensors, not one per tensor."""
+    if len(kept) != len(now):
+        return False
+    pairs = [(k.view(_BITS[k.dtype]), v.view(_BITS[v.dtype])) for k, v in zip(kept, now)]
+    if any(k.device.type != "cpu" for k, _ in pairs):
+        return not bool(torch.stack([(k != v).any() for k, v in pairs]).any())
+    return all(torch.equal(k, v) for k, v in pairs)
+
+
 def _unchanged(pairs: list[tuple[Tensor, int]], now: Sequence[Tensor]) -> bool:
     """Whether ``now`` are the very tensors of ``pairs``, each still at its recorded version."""
     return len(pairs) == len(now) and all(t is u and t._version == v for (t, v), u in zip(pairs, now))
@@ -429,8 +448,7 @@ class GhostClipper:
         return (_unchanged(kept.data, data_leaves(inputs, targets))
                 and _unchanged(kept.state, [t for t, _ in self._state()])
                 and kept.modes == tuple(m.training for m in self.model.modules())
-                # one synchronisation on a device, not one per tensor
-                and not bool(torch.stack([(k != v).any() for k, v in zip(kept.point, values)]).any()))
+                and _same_bits(kept.point, values))
 
     def _batch_dim(self, layer: _Layer, output: Any, batch: int) -> int:
         """The dimension at which a call of ``layer`` carries the batch: 0, or what :meth:`_learn_layout`
@@ -620,6 +638,7 @@ class GhostClipper:
             self._check_unmodified(r)
         parts: list[tuple[int, Part | Tied]] = []
         used: dict[int, list[Part]] = {}  # the parts of each shared parameter, one per module using it
+        spent = 0.0  # bytes of the difference's own materialised parts
         with torch.no_grad():
             for layer in self._layers:
                 got, materialised = self._gradient_parts(rec, layer)
@@ -631,6 +650,8 @@ class GhostClipper:
                     else:  # the rule's own form, relative to the difference
                         got = self._checked(layer, layer.rule.difference(rec.calls[layer], rec_b.calls[layer],
                                                                           a, b))
+                        room = cost.direct_budget_bytes() - rec.held - rec_b.held - spent
+                        spent += self._difference_forms(layer, got, max(room, 0.0))
                 for attr, k in layer.params:
                     part = got[attr]
                     if k in self._shared:
@@ -642,9 +663,48 @@ class GhostClipper:
         # The float32 Gram form's blocks run while every part materialised at these points is held, and the
         # layers' choices each saw only the earlier layers' parts held: its scratch is capped by what the
         # memory budget leaves after all of them (read by _factors).
-        held = rec.held + (rec_b.held if rec_b is not None else 0.0)
+        held = rec.held + (rec_b.held if rec_b is not None else 0.0) + spent
         self._scratch_room = max(cost.direct_budget_bytes() - held, 0.0)
         return parts
+
+    def _difference_forms(self, layer: _Layer, got: dict[str, Part], room: float) -> float:
+        """The norm form of each :class:`Outer` part of ``layer``'s difference (its rule's own form: pieces of
+        both points, twice a point's steps where the layer's input differs between them) chosen by
+        :func:`cost.choose` for the difference's shapes, as a point's parts are chosen
+        (:meth:`_gradient_parts`) under ``norm_form="auto"`` on the host, with ``room`` bytes of the memory
+        budget left; a part chosen materialised is replaced by its per-sample matrices. Returns the bytes so
+        materialised.
+
+        Why: a Gram form's time grows with the square of the steps and the other forms' linearly, so the
+        form fastest at one point may not be at the difference's doubled steps; left to ``"auto"`` here the
+        kernels' memory rule would pick it, never the float32 forms. The choice reads shapes only (the
+        steps as recorded, never the steps :func:`~dpvr.grads.ghost.linear.read_steps` keeps, which depend
+        on the values), and every form bounds the norm of what its clipped sum writes, so it never changes
+        the guarantee of :meth:`_clip`."""
+        if self.norm_form != "auto" or self.backend != "native":
+            return 0.0
+        spent = 0.0
+        for attr, _ in layer.params:
+            part = got[attr]
+            if not isinstance(part, Outer):
+                continue
+            if part.by_convolution:  # its steps are read from the recorded calls
+                choice = part.choice(room - spent)
+            else:  # each piece spans a point's recorded steps
+                steps, p, q = part.sizes()
+                m = part.pieces[0][0]
+                choice = cost.choose(m.shape[0], steps * len(part.pieces), p, q, m.element_size(),
+                                     budget=room - spent)
+            self.choices[f"{layer.name}.{attr} (difference)"] = choice
+            if choice.form != "materialise":
+                part.norm_form = choice.form
+                if choice.form == "gram32":
+                    part.norm_scratch = cost.gram32_scratch(room - spent)
+                continue
+            matrices = part.per_sample()
+            spent += matrices.numel() * matrices.element_size()
+            got[attr] = Dense(matrices)
+        return spent
 
     @staticmethod
     def _checked(layer: _Layer, got: dict[str, Part]) -> dict[str, Part]:
