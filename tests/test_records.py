@@ -380,8 +380,7 @@ def test_empty_poisson_draws_load_nothing():
 def _algorithms():
     """``name -> (build(records) -> algorithm, data)``: every algorithm that indexes data, on sampled
     streams where it has them, with real noise."""
-    from dpvr.algorithms import DoubleSpider, PrivateDiff, RecursiveSpider
-    from dpvr.algorithms import DPSGDA
+    from dpvr.algorithms import DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
     from dpvr.objectives import AUCMargin, AUCModel, ChiSquare
     from dpvr.objectives.dro import cross_entropy
     from dpvr.optim import L1
@@ -514,3 +513,85 @@ def test_records_dropped_without_close_are_freed_at_once_with_their_workers():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def _subsets(x, y):
+    """The ``TensorDataset`` forms whose records are gathered, not loaded one by one: the dataset itself, a
+    ``random_split`` part, a subset of a subset (out of index order, with a repeated index)."""
+    whole = TensorDataset(x, y)
+    part = torch.utils.data.random_split(whole, [30, 10], generator=torch.Generator().manual_seed(3))[0]
+    nested = torch.utils.data.Subset(torch.utils.data.Subset(whole, list(range(39, -1, -1))),
+                                     [5, 2, 2, 31, 0, *range(6, 30)])
+    return {"whole": whole, "split": part, "nested": nested}
+
+
+@pytest.mark.parametrize("form", ["whole", "split", "nested"])
+def test_a_tensor_dataset_or_its_subsets_gather_what_the_loader_loads(form):
+    """A ``TensorDataset`` (or ``Subset`` of one) with the default collate is indexed, not loaded record by
+    record; each batch, empty draw, chunk and full batch is bit for bit what the ``DataLoader`` (the same
+    records through another collate that stacks alike) gives, in the model's dtype."""
+    from torch.utils.data.dataloader import default_collate
+
+    x, y = data()
+    dataset = _subsets(x, y)[form]
+    gathered = DatasetRecords(dataset, dtype=torch.float32)
+    loaded = DatasetRecords(dataset, lambda batch: default_collate(batch), dtype=torch.float32)
+    assert gathered._rows is not None and loaded._rows is None  # the two paths compared
+    n = len(dataset)
+    for indices in ([3, 0, 7], [], list(range(n)), [n - 1, n - 1]):
+        a, b = gathered.batch(indices), loaded.batch(indices)
+        for s, t in zip(a, b):
+            assert s.dtype == t.dtype == torch.float32 and torch.equal(s, t)
+    for a, b in zip(gathered.chunks(7), loaded.chunks(7)):
+        assert all(torch.equal(s, t) for s, t in zip(a, b))
+    assert all(torch.equal(s, t) for s, t in zip(gathered.full(), loaded.full()))
+    samplers = [BatchSampler("poisson", n, 1, seed=2) for _ in range(2)]  # rate 1 / n
+    sizes = set()
+    for _ in range(40):
+        a, b = gathered.draw(samplers[0]), loaded.draw(samplers[1])
+        sizes.add(len(a))
+        assert all(s.shape == t.shape and torch.equal(s, t) for s, t in zip(a, b))
+    assert {0, 1, 2} <= sizes  # Poisson draws of varying sizes, some empty
+    assert gathered.fingerprint().startswith("records ")  # bound as a Dataset's records, as before
+
+
+def test_a_subset_run_releases_what_the_loader_path_releases():
+    """DP-SGD on a ``random_split`` part of a ``TensorDataset``: gathered or loaded through the
+    ``DataLoader``, the same batches, the same released parameters bit for bit (and, the loader's records
+    bound alike, the same noise)."""
+    from torch.utils.data.dataloader import default_collate
+
+    x, y = data()
+    dataset = _subsets(x, y)["split"]
+    gathered = DatasetRecords(dataset)
+    loaded = same_fingerprint(DatasetRecords(dataset, lambda batch: default_collate(batch)), gathered)
+    runs = []
+    for records in (gathered, loaded):
+        alg = DPSGD(model_fn(), loss, records, lr=0.3, clip=0.5, steps=6, noise=1.0, batch_size=8,
+                    runtime=RuntimeConfig(generator=gen(), sampler_seed=4))
+        alg.run(progress=False)
+        runs.append(alg)
+    assert runs[0].binding() == runs[1].binding()
+    for a, b in zip(runs[0].params, runs[1].params):
+        assert torch.equal(a, b)
+
+
+def test_only_plain_tensor_datasets_in_this_process_are_gathered():
+    """A subclass (its ``__getitem__`` may differ), another collate, workers, or a subset index out of
+    range (the loader raises it where it is read) keep the ``DataLoader``."""
+    x, y = data()
+
+    class Flipped(TensorDataset):
+        def __getitem__(self, i):
+            return -self.tensors[0][i], self.tensors[1][i]
+
+    assert DatasetRecords(TensorDataset(x, y))._rows is not None
+    assert DatasetRecords(Flipped(x, y))._rows is None
+    assert torch.equal(DatasetRecords(Flipped(x, y)).batch([1]).inputs, -x[1:2])
+    assert DatasetRecords(TensorDataset(x, y), num_workers=1)._rows is None
+    assert DatasetRecords(TensorDataset(x, y, y))._rows is None
+    out_of_range = torch.utils.data.Subset(TensorDataset(x, y), [*range(PROBE), 40])  # set-up reads PROBE
+    records = DatasetRecords(out_of_range)
+    assert records._rows is None
+    with pytest.raises(IndexError):
+        records.batch([PROBE])

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
 from ..grads.fields import Fields, cat
@@ -437,6 +437,29 @@ class DatasetRecords(Records):
         probe = min(PROBE, self.n)
         self._probe = _check_rows(self.convert(self._read(range(probe))), probe)  # checks the record format
         self._empty = tuple(t[:0] for t in self._probe)
+        self._rows = self._indexable()
+
+    def _indexable(self) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """``(inputs, targets, rows)`` when loading records ``i`` is indexing two tensors at ``rows[i]``
+        (``None``: ``i`` itself): a ``TensorDataset`` of two tensors, or ``Subset`` s of one (what
+        ``random_split`` returns), collated by the default collate in this process, unpinned. The loader's
+        per-record ``__getitem__`` and ``torch.stack`` then give exactly the rows that one gather gives, in
+        the same dtype, so :meth:`_load` gathers them (the subset's indices are read here, once). Anything
+        else (a subclass, another collate, workers, pinned memory) loads through the ``DataLoader``."""
+        if (self.collate_fn is not default_collate or self.num_workers > 0 or self._options["pin_memory"]
+                or self._options["timeout"]):
+            return None
+        dataset, rows = self.dataset, None
+        while type(dataset) is Subset:
+            index = torch.as_tensor(dataset.indices, dtype=torch.int64)
+            rows = index if rows is None else index[rows]
+            dataset = dataset.dataset
+        if type(dataset) is not TensorDataset or len(dataset.tensors) != 2:
+            return None
+        inputs, targets = dataset.tensors
+        if rows is not None and len(rows) and not (int(rows.min()) >= 0 and int(rows.max()) < len(inputs)):
+            return None  # an index out of range: the loader raises it as torch does, at the record's load
+        return inputs, targets, rows
 
     @classmethod
     def from_loader(cls, loader: DataLoader, **kwargs: Any) -> DatasetRecords:
@@ -512,8 +535,19 @@ class DatasetRecords(Records):
         options = self._options
         return DataLoader(self.dataset, batch_sampler=batch_sampler, collate_fn=self.collate_fn, **options)
 
+    def _gather(self, indices: np.ndarray | Sequence[int]) -> Batch:
+        """The records ``indices`` gathered from the tensors of :meth:`_indexable`."""
+        inputs, targets, rows = self._rows
+        index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        if rows is not None:
+            index = rows[index]
+        inputs, targets = (t[batch_rows(index, t.device)] for t in (inputs, targets))
+        return Batch(self._place(inputs), self._place(targets))
+
     def _load(self, items: list[list[int]]) -> list[Batch]:
         """The batches ``items`` (index lists) loaded through the direct-load loader, in order."""
+        if self._rows is not None:
+            return [self._gather(item) for item in items]
         if self._job_loader is None:
             self._jobs = _Jobs()
             options = dict(self._options)
@@ -532,14 +566,18 @@ class DatasetRecords(Records):
         return batches
 
     def batch(self, indices: np.ndarray | Sequence[int]) -> Batch:
-        indices = np.asarray(indices, dtype=np.int64).tolist()
-        if not indices:
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices):
             return self.empty()
-        return self._load([indices])[0]
+        if self._rows is not None:
+            return self._gather(indices)
+        return self._load([indices.tolist()])[0]
 
     def draw(self, sampler: BatchSampler) -> Batch:
         if sampler.scheme == "full":
             return self.full()
+        if self._rows is not None:  # nothing is drawn ahead: the sampler's pending draws, then new ones
+            return self.batch(sampler.draw())
         stream = self._streams.get(id(sampler))
         if stream is None or stream.sampler is not sampler:
             feed = _Feed(sampler)
