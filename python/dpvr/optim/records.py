@@ -357,6 +357,10 @@ class DatasetRecords(Records):
     with several sampled streams runs ``num_workers`` workers per stream. Direct loads (:meth:`batch`,
     :meth:`full`, :meth:`chunks`) go through one more loader with the same options, without prefetching.
 
+    A ``TensorDataset`` of two tensors, or a ``Subset`` of one (``random_split``'s parts), with the default
+    collate and no workers is indexed instead, one gather per batch: the same rows as the loader's
+    (:meth:`_indexable`).
+
     Set-up reads a fixed number of records (the first ``PROBE`` for the checks, and ``FINGERPRINT_RECORDS``
     spread over the index range for the fingerprint), whatever ``len(dataset)``; host memory does not grow
     with it.
@@ -444,8 +448,9 @@ class DatasetRecords(Records):
         (``None``: ``i`` itself): a ``TensorDataset`` of two tensors, or ``Subset`` s of one (what
         ``random_split`` returns), collated by the default collate in this process, unpinned. The loader's
         per-record ``__getitem__`` and ``torch.stack`` then give exactly the rows that one gather gives, in
-        the same dtype, so :meth:`_load` gathers them (the subset's indices are read here, once). Anything
-        else (a subclass, another collate, workers, pinned memory) loads through the ``DataLoader``."""
+        the same dtype, so :meth:`batch`, :meth:`draw` and :meth:`_load` gather them (the subsets' indices
+        and the dataset's tensors are taken here, once). Anything else (a subclass, another collate, workers,
+        pinned memory) loads through the ``DataLoader``."""
         if (self.collate_fn is not default_collate or self.num_workers > 0 or self._options["pin_memory"]
                 or self._options["timeout"]):
             return None
