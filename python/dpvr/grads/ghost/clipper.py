@@ -231,7 +231,9 @@ class GhostClipper:
         mode: ``"ghost"`` (no fallback layer), ``"mixed"`` or ``"materialised"`` (no ghost layer).
         backend: ``"native"`` or ``"torch"``.
         choices: ``"layer.parameter"`` -> :class:`~dpvr.grads.ghost.cost.Choice`, the form last chosen for
-            each linear map's weight under ``norm_form="auto"`` on the host, with the predicted times.
+            each linear map's weight under ``norm_form="auto"`` on the host, with the predicted times;
+            ``"layer.parameter (difference)"`` for the latest difference's own part of it, chosen for the
+            difference's shapes (:meth:`_difference_forms`).
 
     Privacy-relevant guarantee: each sample's contribution to a returned sum, as written in the parameters'
     dtype (the sum of a batch of that sample alone), has norm at most ``clip`` — as the fused kernels'
