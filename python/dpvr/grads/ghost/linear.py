@@ -175,7 +175,7 @@ class ConvOuter(Outer):
     def total(self, f: Tensor, shape: torch.Size) -> Tensor:
         """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`). On the host, once a norm form has
         unfolded the patches, one matmul over samples and steps per chunk of samples (:meth:`_unfolded_total`:
-        the host's float64 convolution forms the same products 1.5-3x slower); else the convolution's own
+        the host's float64 convolution forms the same products about 1.5x slower); else the convolution's own
         weight gradient of the scaled output gradients."""
         if "pieces" in self.__dict__ and f.device.type == "cpu":
             return self._unfolded_total(f, shape)
