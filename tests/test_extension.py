@@ -43,7 +43,6 @@ from dpvr.optim import (
     RuntimeConfig,
     check_loss,
 )
-from dpvr.optim.gradients import ClippedGradients
 from dpvr.optim.records import Records, as_records
 from dpvr.optim.sampling import BatchSampler
 from dpvr.privacy import REPLACE_ONE, Accountant, Plan, Sampling, Stream, calibrate
@@ -134,9 +133,7 @@ class MomentumSGD(PrivateAlgorithm):
         )  # fmt: skip
         self.records = records
         self.lr, self.clip, self.momentum = float(lr), float(clip), float(momentum)
-        self.gradients = ClippedGradients(
-            model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
-        )
+        self.gradients = runtime.clipped_gradients(model, loss_fn)  # all-reduced under data parallelism
         self._sum = [torch.zeros_like(f) for f in self.flat]
         self.v = DifferenceEstimator(self.flat)
         self.velocity = [torch.zeros_like(f) for f in self.flat]

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..optim.base import PrivateAlgorithm
 from ..optim.config import PrivacyConfig, RuntimeConfig
 from ..optim.estimator import ClippedSum, release
-from ..optim.gradients import ClippedGradients, accumulators, check_loss
+from ..optim.gradients import accumulators, check_loss
 from ..optim.records import Batch, Records
 from ..optim.sampling import BatchSampler
 from ..privacy import events
@@ -101,13 +101,7 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         self.y = problem.project(start.detach().clone()).contiguous()
         self._with_y = _WithY(model, self.y)
         check_loss(self._with_y, x_loss, *records.probe(1))
-        self.gradients = ClippedGradients(
-            self._with_y,
-            x_loss,
-            mode=runtime.grad_mode,
-            chunk_size=runtime.chunk_size,
-            nonfinite=self.nonfinite,
-        )
+        self.gradients = runtime.clipped_gradients(self._with_y, x_loss)
         # Sums over records stay in float64 until their release adds the noise (and rounds once).
         self._sum = accumulators(self.flat)
         (self._y_sum,) = accumulators([self.y])

@@ -25,7 +25,7 @@ from torch.func import functional_call, vmap
 from ..optim.base import PrivateAlgorithm
 from ..optim.config import PrivacyConfig, RuntimeConfig
 from ..optim.estimator import ClippedSum, DifferenceEstimator, Iterate
-from ..optim.gradients import ClippedGradients, accumulators, check_loss
+from ..optim.gradients import accumulators, check_loss
 from ..optim.records import Batch, Records
 from ..optim.sampling import BatchSampler
 from ..privacy import events
@@ -65,9 +65,7 @@ class SpiderAlgorithm(PrivateAlgorithm):
             stream: BatchSampler.for_stream(plan, stream, n, runtime.sampler_seed_for(k))
             for k, (stream, _) in enumerate(plan.batch_sizes)
         }
-        self.gradients = ClippedGradients(
-            model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
-        )
+        self.gradients = runtime.clipped_gradients(model, loss_fn)
         # Sums over records stay in float64 until their release adds the noise (and rounds once).
         self._sum = accumulators(self.flat)
         self.x = Iterate(self.params)  # x_t and x_{t-1}

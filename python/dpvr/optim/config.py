@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..ops import NoiseGenerator, PredictableNoiseError, check_nonfinite
 from ..privacy.relations import ACCOUNTANTS, ADD_REMOVE, REPLACE_ONE, check_neighbouring
-from .gradients import MODES
+from .gradients import MODES, ClippedGradients
 
 CALIBRATIONS = ("tight", "paper")
 
@@ -175,6 +175,11 @@ class RuntimeConfig:
         nonfinite: a record whose contribution is not finite contributes zero (``"zero"``, default: keeps
             every sensitivity bound) or raises :class:`dpvr.ops.NonFiniteError` (``"raise"``: for debugging
             only).
+        all_reduce: under data parallelism, wraps each clipped-gradient engine the algorithm builds
+            (:func:`dpvr.optim.gradients.clipped_gradients`) so that its sums are the whole batch's, every
+            process holding a share of the records; set by :func:`dpvr.make_private` under a process group.
+            ``None`` (default): one process. It changes where the terms of a sum are computed, not the sum
+            (its rounding aside), so it is not bound in checkpoints.
 
     Raises:
         ValueError: an unknown ``grad_mode`` or ``nonfinite`` policy, or ``chunk_size < 1``.
@@ -187,6 +192,7 @@ class RuntimeConfig:
     generator: NoiseGenerator | None = None
     sampler_seed: int | None = None
     nonfinite: str = "zero"
+    all_reduce: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.grad_mode not in MODES:
@@ -203,6 +209,16 @@ class RuntimeConfig:
             )
         check_nonfinite(self.nonfinite)
 
+    def clipped_gradients(self, model: Any, loss_fn: Any, **options: Any) -> Any:
+        """The clipped-gradient engine (:class:`~dpvr.optim.gradients.ClippedGradients`) an algorithm
+        computes its clipped sums with, in this config's ``grad_mode``, ``chunk_size`` and ``nonfinite``
+        policy (``options``: the engine's other arguments), wrapped by :attr:`all_reduce` under data
+        parallelism. Every algorithm builds its engines here, so a data-parallel run reaches each of them
+        at construction."""
+        engine = ClippedGradients(model, loss_fn, mode=self.grad_mode, chunk_size=self.chunk_size,
+                                  nonfinite=self.nonfinite, **options)
+        return engine if self.all_reduce is None else self.all_reduce(engine)
+
     def sampler_seed_for(self, k: int) -> int | None:
         """The seed of an algorithm's ``k``-th sampler (one per stream or client)."""
         return None if self.sampler_seed is None else self.sampler_seed + k
@@ -215,7 +231,7 @@ def bound_fields(config: PrivacyConfig | RuntimeConfig) -> dict[str, Any]:
     accountant, the noise source and sampler seeds (restored from the state). The neighbouring relation and
     the public dataset size are bound through the plan."""
     unbound = {"epsilon", "delta", "accountant", "calibration", "shares", "paper_options", "neighbouring",
-               "public_dataset_size", "generator", "sampler_seed"}
+               "public_dataset_size", "generator", "sampler_seed", "all_reduce"}
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in unbound}
 
 

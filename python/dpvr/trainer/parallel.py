@@ -36,9 +36,9 @@ Supported, and what each release's ``s`` is (each one a sum through the clipped-
   batches are drawn by the client's sampler, seeded from the shared seed, so every process draws the same
   ones; ``output="random"``'s round comes from the shared seed too. Each process keeps the ghost-clipping
   recording of its own records (:meth:`ShardedRecords.full` returns the same share every round), so a
-  difference round costs one forward and one backward pass over the process's share, as in one process. One
-  client (or several with ``reuse_recording=False``: each client keeping its own recording keeps its own
-  engine, which the all-reduce does not wrap).
+  difference round costs one forward and one backward pass over the process's share, as in one process. With
+  several clients each keeping its own recording, each client's engine is all-reduced (every engine is built
+  through the runtime, :meth:`~dpvr.optim.RuntimeConfig.clipped_gradients`).
 - ``dp-sgda``, ``private-diff`` with ``y_release="ascent"``: the x-releases as above (``private-diff``'s
   difference rounds through ``diff_sum``, its radius from released iterates); each y-release's ``s`` is the
   batch's clipped sum of per-record y-gradients (:meth:`~dpvr.optim.gradients.ClippedGradients.rows`),

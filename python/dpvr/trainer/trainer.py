@@ -248,11 +248,10 @@ def make_private(
     if noise is not None:
         arguments["noise"] = noise
     # One client per dataset given to a federated algorithm.
-    if parallel is not None:  # each process loads its share of every batch drawn
-        records = [parallel.records(r) for r in records]
+    if parallel is not None:  # each process loads its share of every batch drawn, and every clipped sum
+        records = [parallel.records(r) for r in records]  # is the whole batch's (the runtime's all-reduce)
+        arguments["runtime"] = dataclasses.replace(runtime, all_reduce=parallel.gradients)
     private: PrivateAlgorithm = cls(module, loss, records if spec.federated else records[0], **arguments)
-    if parallel is not None:  # ... and the clipped sums are the whole batch's
-        private.gradients = parallel.gradients(private.gradients)
     return PrivateTrainer(private, steps_per_epoch=per_epoch, parallel=parallel, derived=derived)
 
 

@@ -111,7 +111,7 @@ class InProcessClients:
     def __init__(self, shards: Sequence[Shard | Records],
                  gradients: ClippedGradients | Sequence[ClippedGradients], like: Sequence[torch.Tensor]):
         self.shards = [_client_records(p, shard) for p, shard in enumerate(shards)]
-        each = [gradients] * len(self.shards) if isinstance(gradients, ClippedGradients) else list(gradients)
+        each = list(gradients) if isinstance(gradients, (list, tuple)) else [gradients] * len(self.shards)
         if len(each) != len(self.shards):
             raise ValueError(f"gradients: one per client ({len(self.shards)}), got {len(each)}")
         self.gradients = each
@@ -389,25 +389,22 @@ class DIFF2(PrivateAlgorithm):
 
     @gradients.setter
     def gradients(self, engine: ClippedGradients) -> None:
-        # Replaced (make_private's data-parallel all-reduce wraps it): every client computing with the old
-        # engine computes with the new one, or a client's sums would silently be this process's share alone.
+        # Replaced (e.g. by a wrapper that checks every sum): every client computing with the old engine
+        # computes with the new one, or a client's sums would silently bypass the replacement.
         transport = getattr(self, "transport", None)
         if isinstance(transport, InProcessClients) and engine is not self._gradients:
             own = [p for p, g in enumerate(transport.gradients) if g is not self._gradients]
             if own:
                 raise ValueError(
                     f"gradients: DIFF2's clients {own} keep engines of their own (reuse_recording with "
-                    "several clients), which replacing client 0's (as a data-parallel run over a process "
-                    "group does) would not reach; use one client, or reuse_recording=False"
+                    "several clients), which replacing client 0's would not reach; replace "
+                    "transport.gradients, one engine per client"
                 )
             transport.gradients = [engine] * len(transport.gradients)
         self._gradients = engine
 
     def _clipped_gradients(self, runtime: RuntimeConfig, reuse: bool) -> ClippedGradients:
-        return ClippedGradients(
-            self.model, self.loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size,
-            nonfinite=self.nonfinite, reuse_recording=reuse,
-        )
+        return runtime.clipped_gradients(self.model, self.loss_fn, reuse_recording=reuse)
 
     def _server_round(self, r: int, restart: bool) -> tuple[float, int]:
         """Lines 4-9 of Algorithm 1: the clients' clipped means, averaged, released into ``v``, one step."""

@@ -16,7 +16,7 @@ from ...optim.base import LossFn, PrivateAlgorithm, variant_class
 from ...optim.clipping import AdaptiveRadius, check_policy, split_noise
 from ...optim.config import PrivacyConfig, RuntimeConfig
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, release, step_size
-from ...optim.gradients import ClippedGradients, accumulators, check_loss
+from ...optim.gradients import accumulators, check_loss
 from ...optim.guard import BudgetExhaustedError, resolve_noise
 from ...optim.ledger import Release
 from ...optim.records import Records, as_records
@@ -274,9 +274,7 @@ class DPSGD(PrivateAlgorithm):
         self.lr, self.steps, self.prox = lr, int(steps), prox
         self.optimizer = optimizer
         self.clipping = self.policy != "none"
-        self.gradients = ClippedGradients(
-            model, loss_fn, mode=runtime.grad_mode, chunk_size=runtime.chunk_size, nonfinite=self.nonfinite
-        )
+        self.gradients = runtime.clipped_gradients(model, loss_fn)
         # The clipped sum stays in float64 until the release adds the noise (and rounds once): a float32 sum
         # of many records rounds at its own magnitude, which one record can move by more than 2C.
         self._sum = accumulators(self.flat)
