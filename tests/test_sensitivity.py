@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import sensitivity as harness
 from dpvr import registry
 from dpvr.optim.gradients import ClippedGradients
+from dpvr.optim.ledger import RunLedger
 from sensitivity import ADD_REMOVE, ALGORITHMS, REPLACE_ONE
 
 GENERATED = settings(
@@ -614,6 +615,29 @@ def test_the_harness_flags_a_rerun_that_reuses_its_sampling(monkeypatch):
     problems = harness.older_resume_problems(spec, config, original, 1)
     assert any("random sampler 0 re-runs from the state it had" in p for p in problems), problems
     assert any("drew the first branch's batches again" in p for p in problems), problems
+
+
+BVR_RESUME = {
+    "sizes": (3, 3, 3), "shard": 0, "seed": 0, "index": 0, "adversary": "opposed", "grad_mode": "auto",
+    "relation": REPLACE_ONE,
+    "options": {"steps": 3, "restart": 1, "lr": 0.1, "routine": "bvr-l-sgd", "local_steps": 2,
+                "local_batch": 1, "clip": {"restart": 0.5, "difference": 0.5, "local": 1.0}},
+}
+
+
+def test_a_bvr_resume_charges_every_local_release_once_branched(monkeypatch):
+    """DIFF2's BVR-L-SGD, resumed after round 1 of 3 (three clients): the two branches serve clients 1, 2,
+    0 and 2, 0, so the busiest client has two local releases; the resumed accountant no longer knows which
+    client is busiest and charges each re-run local release (3 in all), as its docstring states. The harness
+    takes that upper bound, and still flags an accountant that charges less than the busiest client's."""
+    spec = ALGORITHMS["diff2"]
+    original = harness.neighbours(spec.task, BVR_RESUME).original
+    assert harness.older_resume_problems(spec, BVR_RESUME, original, 1) == []
+    # the bound is the documented one, not any count: an accountant keeping the one-line rule under-charges
+    monkeypatch.setattr(RunLedger, "branched", property(lambda self: False, lambda self, value: None),
+                        raising=False)
+    problems = harness.older_resume_problems(spec, BVR_RESUME, original, 1)
+    assert problems == ["stream 'local': 2 release(s) reach a record, the accountant charges 1"], problems
 
 
 def test_every_registry_algorithm_is_covered():
