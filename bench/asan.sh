@@ -28,6 +28,6 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export PYTHONPATH="$PWD/$BUILD/stage"
 "$PY" -c "import dpvr, os; assert os.path.dirname(dpvr.__file__).endswith('stage/dpvr'), dpvr.__file__"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_fuzz_ops.py tests/test_bad_input.py tests/test_kernels.py \
-  tests/test_ghost_ops.py
+"$PY" -m pytest -q -p no:cacheprovider tests/ops/test_fuzz.py tests/ops/test_bad_input.py tests/ops/test_kernels.py \
+  tests/ops/test_ghost.py
 echo "bench/asan.sh: no AddressSanitizer or UBSan report"

@@ -120,8 +120,8 @@ sys.exit(0 if (staged or '$DRY' == '1') and b['cuda_compiled'] and (b['cuda_avai
 export PYTHONUNBUFFERED=1
 
 if [ "$STAGE" = check ]; then
-  step "GPU tests (tests/test_cuda.py, tests/test_bench_step.py: tests marked gpu)"
-  run "GPU tests" 150 "$PY" -m pytest -m gpu tests/test_cuda.py tests/test_bench_step.py -q -p no:cacheprovider -rs --durations=5 \
+  step "GPU tests (tests/ops/test_cuda.py, tests/lab/test_bench_step.py: tests marked gpu)"
+  run "GPU tests" 150 "$PY" -m pytest -m gpu tests/ops/test_cuda.py tests/lab/test_bench_step.py -q -p no:cacheprovider -rs --durations=5 \
     >"$LOGS/tests.log" 2>&1
   tail -25 "$LOGS/tests.log"
 

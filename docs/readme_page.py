@@ -2,7 +2,7 @@
 
 docs/index.md holds only a marker; at build time this hook replaces the page's Markdown with the README's,
 its links rewritten from the repository's root to the docs directory (``docs/guide.md`` -> ``guide.md``,
-``docs/figures/x.png`` -> ``figures/x.png``). tests/test_docs_reference.py checks the same rewrite.
+``docs/figures/x.png`` -> ``figures/x.png``). tests/project/test_docs_reference.py checks the same rewrite.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ sizes, dataset sizes and sampling rates that were actually drawn.
 Factories (one function per algorithm, :data:`ALGORITHMS`, keyed by the algorithm's name in
 :mod:`dpvr.registry`; a variant of one, such as DP-SGD's clipping policies, as ``name/variant``) build every
 algorithm from a dataset and a plain config dictionary;
-``tests/test_sensitivity.py`` generates the configurations. An algorithm that releases once per run instead
-(the phased framework) has its own lockstep, :data:`OUTPUT_PERTURBATION`; :func:`uncovered` names every
-registry algorithm that has neither, which the tests refuse.
+``tests/privacy/test_sensitivity.py`` generates the configurations. An algorithm that releases once per run
+instead (the phased framework) has its own lockstep, :data:`OUTPUT_PERTURBATION`; :func:`uncovered` names
+every registry algorithm that has neither, which the tests refuse.
 """
 
 from __future__ import annotations

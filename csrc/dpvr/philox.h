@@ -91,7 +91,7 @@ DPVR_HD double small_integer(uint64_t x) { return from_bits(x | uint64_t{0x43300
 // parts; k <= 4, so the first two products are exact). Only +, -, *, / and sqrt, each correctly rounded on the
 // host and on CUDA, compiled without contraction into fused multiply-adds (-ffp-contract=off, nvcc
 // --fmad=false): the two backends give the same bits, where the math libraries' log, sin and cos differ by up
-// to a few ulp. Within 3 ulp of the math library's transform (tests/test_noise.py). Branch-free: selects let
+// to a few ulp. Within 3 ulp of the math library's transform (tests/ops/test_noise.py). Branch-free: selects let
 // the CPU loop over it vectorise.
 DPVR_HD void box_muller(double u1, double u2, double& z0, double& z1) {
   constexpr double Lg1 = 6.666666666666735130e-01, Lg2 = 3.999999999940941908e-01, Lg3 = 2.857142874366239149e-01,
