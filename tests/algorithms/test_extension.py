@@ -100,6 +100,9 @@ class MomentumSGD(PrivateAlgorithm):
     ``m <- momentum m + v`` (post-processing of the releases)."""
 
     name = NAME
+    #: The settings its constructor takes no default for: make_private lists each one missing, with the
+    #: others' problems, before it builds the run (as for the built-in algorithms).
+    required_settings = ("lr", "clip", "steps", "batch_size")
 
     def __init__(
         self,
@@ -270,6 +273,37 @@ def test_make_private_runs_the_toy(toy):
         dpvr.make_private(
             model, _squared, TensorDataset(x, y), algorithm=NAME, epsilon=1.0, steps=2, lr=0.1, clip=1.0
         )
+
+
+def test_the_toy_gets_the_front_doors_setting_checks(toy):
+    """What the toy's class declares (its required settings, the streams it clips) gives it the messages
+    the built-in algorithms get, listed with the run's other problems."""
+    x, y = harness.REGRESSION.records(40, torch.Generator().manual_seed(0))
+
+    def refusal(name: str, **given: Any) -> str:
+        with pytest.raises(ValueError) as err:
+            dpvr.make_private(harness.REGRESSION.model(True), _squared, TensorDataset(x, y), algorithm=name,
+                              epsilon=1.0, batch_size=8, lr=0.1, **given)
+        return str(err.value)
+
+    said = refusal(NAME, steps=0)
+    assert "2 problems" in said and "clip: 'toy-momentum-sgd' needs this setting" in said
+    streamed = dataclasses.replace(SPEC, name="toy-streamed", algorithm=f"{__name__}:StreamedMomentumSGD")
+    with registry.registered(streamed):
+        for given, why in (({"clip": 1.0}, "clips each stream with its own radius, so it takes a mapping: "),
+                           ({}, "needs this setting: ")):
+            said = refusal("toy-streamed", steps=2, **given)
+            assert f"clip: 'toy-streamed' {why}" in said
+            assert '{"gradient": C1, "momentum": (C2, C3)}' in said
+            assert f"(see {__name__}.StreamedMomentumSGD)" in said
+
+
+class StreamedMomentumSGD(MomentumSGD):
+    """The toy as an algorithm that clips two streams with radii of their own (only its declaration is used:
+    make_private stops at the settings check)."""
+
+    clip_streams = ("gradient", "momentum")
+    clip_pairs = ("momentum",)
 
 
 def _toy_trainer(**options: Any) -> dpvr.PrivateTrainer:

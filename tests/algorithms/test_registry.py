@@ -287,6 +287,39 @@ def test_each_entrys_layout_fits_its_class(name):
         assert "batch_sizes" in parameters
 
 
+def _required(cls: type) -> tuple[str, ...]:
+    """The keyword arguments ``cls(...)`` takes no default for, through constructors that pass ``**kwargs``
+    on to their base's."""
+    required: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        required += [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY
+                     and p.default is inspect.Parameter.empty and p.name not in required]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return tuple(required)
+    return tuple(required)
+
+
+@pytest.mark.parametrize("name", [name for name, spec in REGISTRY.items() if spec.layout is not None])
+def test_what_make_private_reads_of_a_class_is_what_its_constructor_takes(name):
+    """make_private reads the class's declarations (its required settings, the streams it clips) and the
+    entry's sampling default, never the constructor's signature: here they are held to it."""
+    spec = REGISTRY[name]
+    cls = spec.algorithm_class()
+    assert set(cls.required_settings) == set(_required(cls))
+    for variant in {cls, *cls.__subclasses__()}:
+        clip = inspect.signature(variant).parameters.get("clip")
+        if clip is not None:  # a variant taking **kwargs takes its base's clip
+            assert bool(variant.clip_streams) == ("Mapping" in str(clip.annotation)), variant
+        assert set(variant.clip_pairs) <= set(variant.clip_streams), variant
+    if spec.layout == "sampled":
+        sampling = {**spec.defaults(), **spec.algorithm_options}.get("sampling")
+        default = inspect.signature(cls).parameters["sampling"].default
+        assert sampling is not None and ("sampling" in spec.algorithm_options or sampling == default)
+
+
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_make_private_runs_every_entry_with_a_layout_and_refuses_the_others(name):
     spec = REGISTRY[name]

@@ -89,3 +89,26 @@ def test_the_loader_warning_is_true_for_a_per_stream_algorithm() -> None:
         dpvr.make_private(nn.Linear(3, 2), nn.CrossEntropyLoss(), loader, algorithm="dp-sgd", epsilon=1.0,
                           steps=2, lr=0.1, clip=1.0)
     assert any("becomes the expected batch size" in str(w.message) for w in caught)
+
+
+def test_dp_gd_lists_a_missing_clip_like_dp_sgd() -> None:
+    # DPGD's constructor takes DPSGD's settings as **kwargs: read from its signature, it needed nothing, and a
+    # missing clip surfaced as the constructor's TypeError after the run was set up.
+    with pytest.raises(ValueError, match="2 problems") as err:
+        dpvr.make_private(nn.Linear(3, 2), nn.CrossEntropyLoss(), DATA, algorithm="dp-gd", epsilon=1.0,
+                          steps=0, lr=0.1)
+    assert "clip: 'dp-gd' needs this setting" in str(err.value)
+    assert "steps: the number of steps must be a whole number >= 1, got 0" in str(err.value)
+
+
+@pytest.mark.parametrize(("algorithm", "home"), [("diff2", "DIFF2"), ("private-diff", "PrivateDiff")])
+def test_the_per_stream_clip_messages_name_the_class_where_it_lives(algorithm: str, home: str) -> None:
+    from dpvr.objectives import AUCMargin
+
+    criterion = AUCMargin(positive_ratio=0.5) if algorithm == "private-diff" else nn.CrossEntropyLoss()
+    kw = {"steps": 4} if algorithm == "diff2" else {"steps": 4, "batch_size": 8}
+    for clip in ({"clip": 1.0}, {}):  # a number where a mapping is taken; no clip at all
+        with pytest.raises(ValueError) as err:
+            dpvr.make_private(nn.Linear(3, 1), criterion, DATA, algorithm=algorithm, epsilon=1.0, lr=0.1,
+                              **clip, **kw)
+        assert f"(see dpvr.algorithms.{home})" in str(err.value) and "dpvr.optim" not in str(err.value)

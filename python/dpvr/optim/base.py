@@ -101,6 +101,14 @@ class PrivateAlgorithm(Guarded):
     """
 
     name = "private-algorithm"
+    #: The keyword settings the constructor takes no default for: ``make_private`` names every one missing
+    #: (with the run's other problems, at once) before it builds anything. Each algorithm states its own.
+    required_settings: tuple[str, ...] = ()
+    #: The streams clipped each with a radius of its own (``clip={stream: radius}``; empty where ``clip`` is
+    #: one radius), and those of them whose radius is a pair of constants; the constructor checks ``clip``
+    #: against them (:func:`~dpvr.optim.config.stream_clips`), ``make_private`` shows them as an example.
+    clip_streams: tuple[str, ...] = ()
+    clip_pairs: tuple[str, ...] = ()
 
     def __init__(
         self,

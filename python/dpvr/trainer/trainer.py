@@ -1,7 +1,7 @@
 """``make_private``: a PyTorch model, loss and dataset in; a private trainer out.
 
-The trainer is a thin layer over one of dpvr's algorithms (:mod:`dpvr.optim`): it turns the user's batched
-criterion into the per-record loss the algorithms clip, the user's ``Dataset``/``DataLoader`` into the
+The trainer is a thin layer over one of dpvr's algorithms (:mod:`dpvr.algorithms`): it turns the user's
+batched criterion into the per-record loss the algorithms clip, the user's ``Dataset``/``DataLoader`` into the
 records their accountant-aware samplers draw (loaded batch by batch: :mod:`dpvr.trainer.data`), ``epochs``
 into steps, and ``epsilon``/``delta`` into a :class:`~dpvr.optim.PrivacyConfig`. Before anything runs it
 checks, on a copy of the model, that records stay independent (:mod:`dpvr.trainer.checks`). Everything that
@@ -12,11 +12,9 @@ class documentation.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import numbers
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from .. import registry
+from .. import algorithms, registry
 from ..algorithms import LastIterateDPSGD
 from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from ..optim.guard import EveryStream
@@ -160,13 +158,13 @@ def make_private(
             order) and all refuse it, naming what differs and where, unless they agree
             (:mod:`dpvr.trainer.parallel`: ``dp-sgd``, ``dp-gd``, ``last-iterate``, ``diff2``, ``dp-sgda``,
             ``private-diff`` (``y_release="ascent"``), ``double-spider``, ``recursive-spider``).
-        **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ...; see its class
-            in :mod:`dpvr.optim`), except ``noise`` (give ``noise_multiplier``). The schedule settings left
-            out (DIFF2's and PrivateDiff's ``restart``, ``lr`` and, with no length given, ``steps``;
-            PrivateDiff's ``y_steps``; the SPIDERs' ``restart`` and ``batch_sizes``, Recursive-SPIDER's
-            ``lr`` and Double-SPIDER's ``lr_eta``) take the values of the papers' theorems (their proofs,
-            with the accountant's noise constant for the dropped log factors) at this run's public sizes,
-            budget and clip radii
+        **settings: the algorithm's own keyword arguments (``clip``, ``lr``, ``restart``, ...; see its
+            class in :mod:`dpvr.algorithms`), except ``noise`` (give ``noise_multiplier``). The schedule
+            settings left out (DIFF2's and PrivateDiff's ``restart``, ``lr`` and, with no length given,
+            ``steps``; PrivateDiff's ``y_steps``; the SPIDERs' ``restart`` and ``batch_sizes``,
+            Recursive-SPIDER's ``lr`` and Double-SPIDER's ``lr_eta``) take the values of the papers'
+            theorems (their proofs, with the accountant's noise constant for the dropped log factors) at this
+            run's public sizes, budget and clip radii
             (:mod:`dpvr.trainer.defaults`; listed with their reasons in ``trainer.derived``).
 
     The noise is calibrated so that the whole planned run spends ``epsilon`` (unless ``noise_multiplier`` is
@@ -238,7 +236,7 @@ def make_private(
     loss, runtime = _checked_loss(module, criterion, records[0], runtime, minimax)
     # One definition of an epoch, the sampler's: ceil(n / b) here once charged one random-allocation epoch
     # as two (the plan prices any step past round(n / b) as a new epoch).
-    scheme = _sampling(cls, settings) if sampled else "full"
+    scheme = _sampling(spec, settings) if sampled else "full"
     per_epoch = 1 if spec.layout == "per-stream" else steps_per_epoch(scheme, n, batch_size)
     public = Public(n=n, clients=len(records), dimension=sum(p.numel() for p in params),
                     epsilon=privacy.epsilon, delta=privacy.delta, steps=steps)
@@ -450,24 +448,7 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
     if batch_size is not None and layout == "sampled" and not 1 <= batch_size <= n:
         problems.append(f"batch_size: each step samples about batch_size records of the {n} in the dataset, "
                         f"so it must lie in [1, {n}], got {batch_size}")
-    meaning = {a.name: a.help for a in spec.arguments}
-    empty, keyword = inspect.Parameter.empty, inspect.Parameter.KEYWORD_ONLY
-    clip, declared = settings.get("clip"), inspect.signature(cls).parameters.get("clip")
-    per_stream = "Mapping" in str(getattr(declared, "annotation", ""))  # its clip is {stream: radius}
-    shape = re.search(r"clip: ``(\{.*?\})``", inspect.getdoc(cls) or "", re.S)
-    example = " ".join(shape.group(1).split()) if shape else "{stream: radius}"
-    if clip is not None and not isinstance(clip, Mapping) and per_stream:
-        # Said here, before a theorem's default reads a radius from it and complains about that default.
-        problems.append(f"clip: {spec.name!r} clips each stream with its own radius, so it takes a mapping: "
-                        f"clip={example} (see dpvr.optim.{cls.__name__}), got {clip!r}")
-    for name, parameter in inspect.signature(cls).parameters.items():
-        required = parameter.kind is keyword and parameter.default is empty
-        derived_later = ("steps", "privacy", "runtime", *derivable(spec.name))
-        if required and name not in settings and name not in derived_later:
-            what = f" ({meaning[name]})" if name in meaning else ""
-            if name == "clip" and per_stream:
-                what = f": clip={example}, one radius per stream (see dpvr.optim.{cls.__name__})"
-            problems.append(f"{name}: {spec.name!r} needs this setting{what}")
+    problems += _setting_problems(spec, cls, settings)
     if len(problems) == 1:
         raise ValueError(f"make_private({spec.name!r}): {problems[0]}")
     if problems:
@@ -475,14 +456,57 @@ def _check_settings(spec: registry.AlgorithmSpec, cls: type, n: int, settings: M
         raise ValueError(f"make_private({spec.name!r}): {len(problems)} problems:\n  - {listed}")
 
 
-def _sampling(cls: type, settings: Mapping[str, Any]) -> str:
-    """The sampling scheme ``cls(**settings)`` will draw its batches with (the given one, or its default)."""
+def _setting_problems(spec: registry.AlgorithmSpec, cls: type[PrivateAlgorithm],
+                      settings: Mapping[str, Any]) -> list[str]:
+    """The algorithm's own settings that are missing or of the wrong form, from what its class declares
+    (:attr:`~dpvr.optim.PrivateAlgorithm.required_settings`, ``clip_streams``): an algorithm registered from
+    outside dpvr is checked, and told, alike."""
+    problems, meaning = [], {a.name: a.help for a in spec.arguments}
+    clip, per_stream = settings.get("clip"), bool(cls.clip_streams)
+    example, home = _clip_example(cls), _home(cls)
+    if clip is not None and not isinstance(clip, Mapping) and per_stream:
+        # Said here, before a theorem's default reads a radius from it and complains about that default.
+        problems.append(f"clip: {spec.name!r} clips each stream with its own radius, so it takes a mapping: "
+                        f"clip={example} (see {home}), got {clip!r}")
+    derived_later = ("steps", "privacy", "runtime", *derivable(spec.name))
+    for name in cls.required_settings:
+        if name not in settings and name not in derived_later:
+            what = f" ({meaning[name]})" if name in meaning else ""
+            if name == "clip" and per_stream:
+                what = f": clip={example}, one radius per stream (see {home})"
+            problems.append(f"{name}: {spec.name!r} needs this setting{what}")
+    return problems
+
+
+def _clip_example(cls: type[PrivateAlgorithm]) -> str:
+    """``clip={...}`` as ``cls`` takes it: its streams in order, radii numbered ``C1, C2, ...`` (a pair of
+    them for a stream whose radius is a pair of constants)."""
+    parts, k = [], 1
+    for stream in cls.clip_streams:
+        pair = stream in cls.clip_pairs
+        parts.append(f'"{stream}": ' + (f"(C{k}, C{k + 1})" if pair else f"C{k}"))
+        k += 2 if pair else 1
+    return "{" + ", ".join(parts) + "}"
+
+
+def _home(cls: type) -> str:
+    """Where the user reads ``cls``'s documentation: ``dpvr.algorithms.<Class>`` for a built-in algorithm,
+    its own module's path for one defined elsewhere."""
+    if cls.__module__.startswith(f"{algorithms.__name__}.") and cls.__name__ in algorithms.__all__:
+        return f"{algorithms.__name__}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _sampling(spec: registry.AlgorithmSpec, settings: Mapping[str, Any]) -> str:
+    """The sampling scheme the run's algorithm draws its batches with: the given one (or the entry's
+    ``algorithm_options``, already among ``settings``), else its settings schema's default."""
     if "sampling" in settings:
         return settings["sampling"]
-    default = inspect.signature(cls).parameters.get("sampling")
-    if default is None or default.default is inspect.Parameter.empty:
-        raise TypeError(f"{cls.__name__}: samples batches but states no default sampling scheme")
-    return default.default
+    scheme = spec.defaults().get("sampling")
+    if scheme is None:
+        raise TypeError(f"{spec.name}: samples batches but its settings schema states no default sampling "
+                        "scheme (a 'sampling' setting with a default)")
+    return scheme
 
 
 class PrivateTrainer:

@@ -268,8 +268,9 @@ class DIFF2(PrivateAlgorithm):
     #: The routine between server rounds: ``"gd"`` here, ``"bvr-l-sgd"`` in :class:`DIFF2BVRLSGD` (chosen by
     #: ``routine="bvr-l-sgd"``).
     routine = "gd"
+    required_settings = ("steps", "restart", "clip")
     #: The noisy streams of the routine, each with its own clip radius and noise multiplier.
-    _clip_streams: tuple[str, ...] = ("restart", "difference")
+    clip_streams: tuple[str, ...] = ("restart", "difference")
     #: Whether a client keeps its ghost-clipping recording by default: GD's rounds are all full-batch.
     _reuse_by_default = True
 
@@ -297,8 +298,7 @@ class DIFF2(PrivateAlgorithm):
         if routine == "bvr-l-sgd" and self.routine != routine:
             # The routine is a subclass chosen at construction, before any state is set: DIFF2(...,
             # routine="bvr-l-sgd") is DIFF2BVRLSGD, whose local steps are its own methods rather than a flag
-            # read throughout. (Not in __new__: the signature users and make_private read would then be
-            # __new__'s.)
+            # read throughout. (Not in __new__: the signature users read would then be __new__'s.)
             self.__class__ = variant_class(type(self), DIFF2BVRLSGD)
         settings = dict(
             lr=lr, steps=steps, restart=restart, clip=clip, noise=noise, routine=routine,
@@ -310,7 +310,7 @@ class DIFF2(PrivateAlgorithm):
         self._check_routine(routine)
         self._check_settings(local_steps, local_batch, output, optimizer)
         lr = step_size(lr, optimizer)
-        self.clip = stream_clips(clip, self._clip_streams)
+        self.clip = stream_clips(clip, self.clip_streams)
         if shards:
             check_loss(model, loss_fn, *shards[0].probe(1))
         # The relation asked for goes to the plan, which refuses add/remove: each client's mean divides by its
@@ -479,7 +479,7 @@ class DIFF2BVRLSGD(DIFF2):
     """
 
     routine = "bvr-l-sgd"
-    _clip_streams = ("restart", "difference", "local")
+    clip_streams = ("restart", "difference", "local")
     _reuse_by_default = False  # its local steps draw fresh minibatches and move the point between rounds
 
     def __init__(self, *args: Any, routine: str = "bvr-l-sgd", **kwargs: Any) -> None:

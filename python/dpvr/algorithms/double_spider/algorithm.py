@@ -19,6 +19,7 @@ from ...problems import (
     dual_weights,
 )
 from ..spider import SpiderAlgorithm, as_batch_sizes
+from . import STREAMS
 
 
 class DoubleSpider(SpiderAlgorithm):
@@ -99,6 +100,11 @@ class DoubleSpider(SpiderAlgorithm):
     """
 
     name = "Double-SPIDER"
+    required_settings = (
+        "divergence", "lam", "steps", "restart", "batch_sizes", "lr", "lr_eta", "max_move", "clip",
+    )  # fmt: skip
+    clip_streams = STREAMS
+    clip_pairs = ("eta-difference", "x-difference")  # (k_eta, k_x): a radius per unit of each one's move
 
     def __init__(
         self,
@@ -130,10 +136,8 @@ class DoubleSpider(SpiderAlgorithm):
         for name, value in (("lam", lam), ("lr", lr), ("lr_eta", lr_eta), ("max_move", max_move)):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
-        differences = ("eta-difference", "x-difference")
-        streams = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
-        clip = stream_clips(clip, streams, pairs=differences)
-        for stream in differences:
+        clip = stream_clips(clip, self.clip_streams, pairs=self.clip_pairs)
+        for stream in self.clip_pairs:
             if not min(clip[stream]) > 0:  # a zero coefficient leaves a moving point's difference unclipped
                 raise ValueError(f"clip[{stream!r}]: both coefficients must be > 0, got {clip[stream]}")
         records = as_records(inputs, targets)

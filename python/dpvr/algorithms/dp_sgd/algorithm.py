@@ -149,6 +149,7 @@ class DPSGD(PrivateAlgorithm):
     """
 
     name = "DP-SGD"
+    required_settings = ("clip", "steps")
 
     def __init__(
         self,
@@ -179,8 +180,8 @@ class DPSGD(PrivateAlgorithm):
         if sampling == "cyclic" and not isinstance(self, LastIterateDPSGD):
             # The variant is a subclass chosen at construction, before any state is set: DPSGD(...,
             # sampling="cyclic") is the last-iterate algorithm, whose accounting and resumption are its own
-            # methods rather than a flag read throughout. (Not in __new__: the signature users and
-            # make_private read would then be __new__'s.)
+            # methods rather than a flag read throughout. (Not in __new__: the signature users read would
+            # then be __new__'s.)
             self.__class__ = variant_class(type(self), LastIterateDPSGD)
         if settings is None:  # what the binding records: every argument above but the model, loss and data
             settings = dict(

@@ -68,6 +68,8 @@ class DPSGDA(MinimaxAlgorithm):
     """
 
     name = "DP-SGDA"
+    required_settings = ("lr_y", "steps", "batch_size", "clip")
+    clip_streams = ("x", "y")
 
     def __init__(
         self,
@@ -93,7 +95,7 @@ class DPSGDA(MinimaxAlgorithm):
             y0=y0, optimizer=optimizer, privacy=privacy, runtime=runtime,
         )  # fmt: skip
         lr = step_size(lr, optimizer)
-        clip = stream_clips(clip, ("x", "y"))
+        clip = stream_clips(clip, self.clip_streams)
         units = {"y": clip["y"] / clip["x"]}  # shares="auto": y's noise is relative to C2, x's to C1
         records = as_records(inputs, targets)
         n = len(records)

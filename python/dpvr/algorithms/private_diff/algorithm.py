@@ -122,6 +122,7 @@ class PrivateDiff(MinimaxAlgorithm):
     """
 
     name = "PrivateDiff"
+    required_settings = ("steps", "restart", "y_steps", "batch_size", "clip")
 
     def __init__(
         self,
@@ -159,9 +160,9 @@ class PrivateDiff(MinimaxAlgorithm):
             # The variant is a subclass chosen at construction, before any state is set (as DPSGD's
             # last-iterate form): PrivateDiff(..., y_release="output") is PrivateDiffOutputY, whose y-release
             # is its own methods rather than a flag read throughout. (Not in __new__: the signature users
-            # and make_private read would then be __new__'s.)
+            # read would then be __new__'s.)
             self.__class__ = variant_class(type(self), PrivateDiffOutputY)
-        clip = stream_clips(clip, self._clip_streams, pairs=("difference",))
+        clip = stream_clips(clip, self.clip_streams, pairs=self.clip_pairs)
         records = as_records(inputs, targets)
         n = len(records)
         lr_y = self._prepare_y(problem, model, n, lr_y, y_tolerance)
@@ -187,8 +188,10 @@ class PrivateDiff(MinimaxAlgorithm):
         self._y_prev = self.y.clone()  # y_r: the y that x_{r-1}'s gradient was taken at
 
     # ---- how y is released: noisy clipped ascent here, output perturbation in PrivateDiffOutputY --------
-    #: The streams ``clip`` must name: C0 (``"y"``) clips the ascent's y-gradients.
-    _clip_streams: tuple[str, ...] = ("checkpoint", "difference", "y")
+    #: The streams ``clip`` must name: C0 (``"y"``) clips the ascent's y-gradients; the difference radius is
+    #: the pair ``(C2, C3)``.
+    clip_streams: tuple[str, ...] = ("checkpoint", "difference", "y")
+    clip_pairs = ("difference",)
 
     def _prepare_y(
         self, problem: MinimaxProblem, model: nn.Module, n: int, lr_y: float | None, y_tolerance: float | None
@@ -342,7 +345,7 @@ class PrivateDiffOutputY(PrivateDiff):
         super().__init__(*args, y_release=y_release, **kwargs)
 
     # no "y" clip: the inner solve reads unclipped gradients, so that F keeps its strong concavity
-    _clip_streams = ("checkpoint", "difference")
+    clip_streams = ("checkpoint", "difference")
 
     def _prepare_y(
         self, problem: MinimaxProblem, model: nn.Module, n: int, lr_y: float | None, y_tolerance: float | None

@@ -20,6 +20,7 @@ from ...problems import (
     inner_x_weights,
 )
 from ..spider import SpiderAlgorithm, as_batch_sizes
+from . import STREAMS
 
 
 class RecursiveSpider(SpiderAlgorithm):
@@ -109,6 +110,10 @@ class RecursiveSpider(SpiderAlgorithm):
     """
 
     name = "Recursive-SPIDER"
+    required_settings = (
+        "rho", "lam0", "steps", "restart", "batch_sizes", "lr", "lr_lam", "beta", "loss_bound", "clip",
+    )  # fmt: skip
+    clip_streams = STREAMS
 
     def __init__(
         self,
@@ -147,7 +152,7 @@ class RecursiveSpider(SpiderAlgorithm):
             raise ValueError(f"beta: must be in (0, 1], got {beta}")
         if not lam_init >= lam0:
             raise ValueError(f"lam_init: must be >= lam0 = {lam0}, got {lam_init}")
-        clip = stream_clips(clip, ("v-refresh", "v-difference", "u-refresh", "u-difference", "s"))
+        clip = stream_clips(clip, self.clip_streams)
         records = as_records(inputs, targets)
         plan = events.RecursiveSpiderPlan(len(records), steps, restart, as_batch_sizes(batch_sizes), sampling)
         super().__init__(
