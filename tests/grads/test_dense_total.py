@@ -1,0 +1,89 @@
+"""A materialised part's clipped sum on the host (``Dense.total``) is formed a block of columns at a time,
+widened to float64 block by block instead of as one ``(B, P)`` copy. The release must not change: each
+column is the same ``(1, B) @ (B, c)`` product, so the sums, and a DP-SGD step's released parameters, are
+bit for bit those of the one-product form they replaced (the reference below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpvr import ops
+from dpvr.grads import GhostClipper
+from dpvr.grads.ghost import rules
+from dpvr.grads.ghost.rules import Dense
+
+
+def one_product(self: Dense, f: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The form before blocks: the whole matrix widened, then one product."""
+    return (f @ self.u.reshape(self.u.shape[0], -1).to(f.dtype)).reshape(shape)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block", [1 << 10, rules.DENSE_BLOCK_BYTES])
+@pytest.mark.parametrize("batch,width", [(1, 7), (3, 64), (8, 4097), (8, 589_824), (13, 1000), (64, 65_539),
+                                         (256, 4_096)])
+def test_blocks_equal_one_product_bit_for_bit(monkeypatch, threads, block, batch, width):
+    monkeypatch.setattr(rules, "DENSE_BLOCK_BYTES", block)
+    gen = torch.Generator().manual_seed(batch * 7919 + width)
+    # Rows of very different scales, some zero factors: roundings that a changed order would show.
+    u = torch.randn(batch, width, generator=gen) * torch.logspace(-3, 3, batch).unsqueeze(1)
+    f = torch.rand(batch, generator=gen).to(torch.float32).to(torch.float64)
+    f[::3] = 0.0
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = Dense(u).total(f, torch.Size([width]))
+        want = one_product(Dense(u), f, torch.Size([width]))
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, want)
+
+
+def test_float64_parameters_take_one_product():
+    u = torch.randn(5, 300, dtype=torch.float64)
+    f = torch.rand(5, dtype=torch.float64)
+    assert torch.equal(Dense(u).total(f, torch.Size([20, 15])), (f @ u).reshape(20, 15))
+
+
+class _Sequence(nn.Module):
+    """Linear maps on sequences, a LayerNorm and a head: materialised parts, Dense biases and norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 96)
+        self.norm = nn.LayerNorm(96)
+        self.down = nn.Linear(96, 24)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.relu(self.norm(self.up(x)))).mean(dim=1))
+
+
+def _released(seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    model = _Sequence()
+    x, y = torch.randn(16, 32, 24), torch.randint(0, 3, (16,))
+    clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
+    generator = ops.NoiseGenerator(seed, reproducible=True)
+    generator.bind(b"dense-total")  # each key then hashes the sums it perturbs
+    params = [p.data.view(-1) for p in model.parameters()]
+    velocity = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        generator.for_release(step.to_bytes(8, "little"))
+        sums = clipper.clipped_sum(x, y, 0.5, wide=True).sums
+        ops.noisy_update(velocity, sum=[s.view(-1) for s in sums], scale=1 / 16, sigma=0.5 / 16, reset=True,
+                         generator=generator, stream="dp-sgd", params=params, lr=0.1)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_dp_sgd_release_unchanged(monkeypatch):
+    """Three DP-SGD steps (clipped sums in float64, the noise keyed by their digest) release the same
+    parameters bit for bit with the blocks as with the one-product form, whichever forms the parts take."""
+    monkeypatch.setattr(rules, "DENSE_BLOCK_BYTES", 1 << 12)  # many blocks per part
+    blocks = _released(5)
+    monkeypatch.setattr(Dense, "total", one_product)
+    reference = _released(5)
+    assert all(torch.equal(a, b) for a, b in zip(blocks, reference))
