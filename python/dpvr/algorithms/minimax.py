@@ -55,7 +55,12 @@ class _WithY(nn.Module):
 
 
 class MinimaxAlgorithm(PrivateAlgorithm):
-    """What DP-SGDA and PrivateDiff share: data, sampling, ``y`` and its noisy clipped ascent step."""
+    """What DP-SGDA and PrivateDiff share: data, sampling, the x step's settings, ``y`` and its noisy clipped
+    ascent step."""
+
+    #: The stream whose batch size and scheme the one sampler draws with: every sampled stream of the plan
+    #: draws at the same rate, each release its own batch.
+    batch_stream: str
 
     def __init__(
         self,
@@ -64,9 +69,11 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         records: Records,
         *,
         plan: events.Plan,
-        sampler: BatchSampler,
+        lr: float | None,
         lr_y: float | None,
-        clip_y: float | None,
+        steps: int,
+        clip: Mapping[str, Any],
+        optimizer: torch.optim.Optimizer | None,
         y0: Tensor | None,
         noise: Mapping[str, float] | None,
         privacy: PrivacyConfig,
@@ -74,8 +81,11 @@ class MinimaxAlgorithm(PrivateAlgorithm):
         settings: Mapping[str, Any],
         units: Mapping[str, float],
     ) -> None:
-        """``settings``: what the run's binding records (the subclass's arguments, as given); ``units``: for
-        ``shares="auto"``, the public radius or sensitivity each stream's noise multiplier is relative to."""
+        """``lr``: the x step size and ``clip`` the radii, both checked (``clip["y"]``: the ascent's, where it
+        takes one); ``settings``: what the run's binding records (the subclass's arguments, as given);
+        ``units``: for ``shares="auto"``, the public radius or sensitivity each stream's noise multiplier is
+        relative to."""
+        sampler = BatchSampler.for_stream(plan, self.batch_stream, len(records), runtime.sampler_seed)
         privacy.require_replace_one(self.name)
         if lr_y is not None and not lr_y > 0:
             raise ValueError(f"lr_y: must be > 0, got {lr_y}")
@@ -90,9 +100,11 @@ class MinimaxAlgorithm(PrivateAlgorithm):
             data=records, units=units, problem=problem,  # y's (public) length enters shares="auto"
         )  # fmt: skip
         self.problem, self.records, self.sampler = problem, records, sampler
+        self.clip, self.lr, self.steps, self.optimizer = clip, lr, int(steps), optimizer
         self._units = dict(units)
         # None where the algorithm takes no noisy ascent step (PrivateDiff with y_release="output")
         self.lr_y = None if lr_y is None else float(lr_y)
+        clip_y = clip.get("y")
         self.clip_y = None if clip_y is None else float(clip_y)
         dtype = self.params[0].dtype
         start = problem.initial_y(dtype) if y0 is None else torch.as_tensor(y0, dtype=dtype)

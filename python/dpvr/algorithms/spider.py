@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from ..optim.base import PrivateAlgorithm
-from ..optim.config import PrivacyConfig, RuntimeConfig
-from ..optim.estimator import ClippedSum, DifferenceEstimator, Iterate
+from ..optim.config import PrivacyConfig, RuntimeConfig, stream_clips
+from ..optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius
 from ..optim.gradients import accumulators, check_loss
-from ..optim.records import Batch, Records
+from ..optim.records import Batch, Records, as_records
 from ..optim.sampling import BatchSampler
 from ..privacy import events
 from ..problems import (
@@ -35,29 +35,41 @@ from ..problems import (
 
 
 class SpiderAlgorithm(PrivateAlgorithm):
-    """What both algorithms share: data, one sampler per stream, per-sample losses and clipped sums at
-    iterates, the noisy estimator update of one stream, and the previous iterate ``x_{t-1}``."""
+    """What both algorithms share: data, the plan of their streams, one sampler per stream, the clip radii,
+    per-sample losses and clipped sums at iterates, the noisy estimator update of one stream, and the
+    previous iterate ``x_{t-1}``."""
 
+    #: The plan of the algorithm's streams, built from the run's size, length, period, batch sizes and scheme.
+    plan_type: type[events._SpiderPlan]
 
     def __init__(
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        records: Records,
+        inputs: Tensor | Records,
+        targets: Tensor | None,
         *,
-        plan: events._SpiderPlan,
+        steps: int,
+        restart: int,
+        batch_sizes: Mapping[str, int] | Sequence[int],
+        sampling: str,
+        clip: Mapping[str, float | tuple[float, float]],
         noise: Mapping[str, float] | None,
         privacy: PrivacyConfig,
         runtime: RuntimeConfig,
         settings: Mapping[str, Any],
     ) -> None:
+        """``settings``: what the run's binding records (the subclass's arguments, as given)."""
+        clip = self._checked_clip(clip)
+        records = as_records(inputs, targets)
+        plan = self.plan_type(len(records), steps, restart, as_batch_sizes(batch_sizes), sampling)
         privacy.require_replace_one(self.name)
         check_loss(model, loss_fn, *records.probe(1))
         super().__init__(
             model, loss_fn, plan=plan, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
             data=records,
         )  # fmt: skip
-        self.records = records
+        self.records, self.restart, self.clip = records, int(restart), clip
         n = len(records)
         # One sampler per stream, keyed by name and sized by the plan's own per-stream batch size: what a
         # stream draws is what its releases are charged for.
@@ -69,6 +81,18 @@ class SpiderAlgorithm(PrivateAlgorithm):
         # Sums over records stay in float64 until their release adds the noise (and rounds once).
         self._sum = accumulators(self.flat)
         self.x = Iterate(self.params)  # x_t and x_{t-1}
+
+    def _checked_clip(self, clip: Mapping[str, float | tuple[float, float]]) -> dict[str, Any]:
+        """``clip`` checked against :attr:`clip_streams` (those in ``clip_pairs`` a pair of constants)."""
+        return stream_clips(clip, self.clip_streams, pairs=self.clip_pairs)
+
+    def _difference_radius(self, refresh: str, difference: str) -> Radius:
+        """The radius of a difference stream: ``clip[refresh]`` at a refresh, then ``clip[difference]`` per
+        unit of each moving point's move, capped at twice the refresh radius (not in the paper: noise cannot
+        feed on itself)."""
+        per_move = self.clip[difference]
+        per_move = per_move if isinstance(per_move, tuple) else (per_move,)
+        return Radius(self.clip[refresh], per_move=per_move, cap=2 * self.clip[refresh])
 
     def _draw(self, stream: str) -> Batch:
         """The records of ``stream``'s next batch, ``(inputs, targets)``."""
@@ -140,8 +164,11 @@ class SpiderAlgorithm(PrivateAlgorithm):
             s.load_state_dict(state["samplers"][k])
 
 
-
-
+def require_positive(**values: float) -> None:
+    """Refuses a step size or constant that must be > 0, naming it."""
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name}: must be > 0, got {value}")
 
 
 def as_batch_sizes(given: Mapping[str, int] | Sequence[int]) -> Mapping[str, int] | tuple[int, ...]:

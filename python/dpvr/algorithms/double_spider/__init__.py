@@ -21,21 +21,16 @@ from .. import _help
 from ..theorems import Derived, Public, noise_constant, radius, spider_batch_sizes, spider_period_theorem7
 
 STREAMS = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
-_SAMPLING = ("wor", "poisson")
 
 
 @dataclass(frozen=True)
-class DoubleSpiderSettings:
+class DoubleSpiderSettings(_help.SpiderSettings):
     """The settings of a Double-SPIDER plan."""
 
-    dataset_size: int = setting(_help.DATASET_SIZE)
-    steps: int = setting(_help.STEPS)
-    restart: int = setting("refresh period q: refreshes at the steps t with t mod q = 0")
     batch_sizes: tuple[int, ...] = setting(
         "N1,N2,N3,N4: the batch size of each stream in the paper's order (a batch equal to the dataset size "
         "is the full batch)"
     )
-    sampling: str = setting(_help.sampling(_SAMPLING), "wor", choices=_SAMPLING)
 
 
 def restart_rule(settings: Mapping[str, Any], p: Public) -> Derived:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
-from ...optim.estimator import DifferenceEstimator, Radius, global_norm
-from ...optim.records import Records, as_records
+from ...optim.config import PrivacyConfig, RuntimeConfig
+from ...optim.estimator import DifferenceEstimator, global_norm
+from ...optim.records import Records
 from ...privacy import events
 from ...problems import (
     Divergence,
@@ -18,7 +19,7 @@ from ...problems import (
     dual_eta_grads,
     dual_weights,
 )
-from ..spider import SpiderAlgorithm, as_batch_sizes
+from ..spider import SpiderAlgorithm, require_positive
 from . import STREAMS
 
 
@@ -100,6 +101,7 @@ class DoubleSpider(SpiderAlgorithm):
     """
 
     name = "Double-SPIDER"
+    plan_type = events.DoubleSpiderPlan
     required_settings = (
         "divergence", "lam", "steps", "restart", "batch_sizes", "lr", "lr_eta", "max_move", "clip",
     )  # fmt: skip
@@ -133,32 +135,29 @@ class DoubleSpider(SpiderAlgorithm):
             lr_eta=lr_eta, max_move=max_move, clip=clip, eta0=eta0, noise=noise, sampling=sampling,
             privacy=privacy, runtime=runtime,
         )  # fmt: skip
-        for name, value in (("lam", lam), ("lr", lr), ("lr_eta", lr_eta), ("max_move", max_move)):
-            if not value > 0:
-                raise ValueError(f"{name}: must be > 0, got {value}")
-        clip = stream_clips(clip, self.clip_streams, pairs=self.clip_pairs)
-        for stream in self.clip_pairs:
-            if not min(clip[stream]) > 0:  # a zero coefficient leaves a moving point's difference unclipped
-                raise ValueError(f"clip[{stream!r}]: both coefficients must be > 0, got {clip[stream]}")
-        records = as_records(inputs, targets)
-        plan = events.DoubleSpiderPlan(len(records), steps, restart, as_batch_sizes(batch_sizes), sampling)
+        require_positive(lam=lam, lr=lr, lr_eta=lr_eta, max_move=max_move)
         super().__init__(
-            model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime,
-            settings=settings,
+            model, loss_fn, inputs, targets, steps=steps, restart=restart, batch_sizes=batch_sizes,
+            sampling=sampling, clip=clip, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
         )  # fmt: skip
-        self.divergence, self.lam, self.restart, self.clip = divergence, float(lam), int(restart), clip
+        self.divergence, self.lam = divergence, float(lam)
         self.lr, self.lr_eta, self.max_move = float(lr), float(lr_eta), float(max_move)
-        # Difference radii capped at twice the refresh radius (not in the paper: noise cannot feed on itself).
-        self.eta_radius = Radius(
-            clip["eta-refresh"], per_move=clip["eta-difference"], cap=2 * clip["eta-refresh"]
-        )
-        self.x_radius = Radius(clip["x-refresh"], per_move=clip["x-difference"], cap=2 * clip["x-refresh"])
+        self.eta_radius = self._difference_radius("eta-refresh", "eta-difference")
+        self.x_radius = self._difference_radius("x-refresh", "x-difference")
         dtype = self.params[0].dtype
         self.eta = torch.tensor([float(eta0)], dtype=dtype)  # eta_t
         self._eta_prev = self.eta.clone()  # eta_{t-1}
         self.g = DifferenceEstimator([self.eta])  # estimates grad_eta L
         self.v = DifferenceEstimator(self.flat)  # estimates grad_x L
         self._g_sum = torch.zeros(1, dtype=torch.float64)  # a sum over records: float64 until the noise
+
+    def _checked_clip(self, clip: Mapping[str, float | tuple[float, float]]) -> dict[str, Any]:
+        checked = super()._checked_clip(clip)
+        for stream in self.clip_pairs:
+            # A zero coefficient would leave a moving point's difference unclipped.
+            if not min(checked[stream]) > 0:
+                raise ValueError(f"clip[{stream!r}]: both coefficients must be > 0, got {checked[stream]}")
+        return checked
 
     def _step(self) -> dict[str, float]:
         t = self.steps_done

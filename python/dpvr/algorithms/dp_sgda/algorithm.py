@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
 from ...optim.records import Records, as_records
-from ...optim.sampling import BatchSampler
 from ...privacy import events
 from ...problems import MinimaxProblem
 from ..minimax import (
@@ -68,6 +67,7 @@ class DPSGDA(MinimaxAlgorithm):
     """
 
     name = "DP-SGDA"
+    batch_stream = "x"  # x and y share its batch
     required_settings = ("lr_y", "steps", "batch_size", "clip")
     clip_streams = ("x", "y")
 
@@ -100,12 +100,10 @@ class DPSGDA(MinimaxAlgorithm):
         records = as_records(inputs, targets)
         n = len(records)
         plan = events.DPSGDAPlan(n, n if sampling == "full" else batch_size, steps, sampling)
-        sampler = BatchSampler.for_stream(plan, "x", n, runtime.sampler_seed)  # x and y share its batch
         super().__init__(
-            model, problem, records, plan=plan, sampler=sampler, lr_y=lr_y, clip_y=clip["y"], y0=y0,
-            noise=noise, privacy=privacy, runtime=runtime, settings=settings, units=units,
-        )
-        self.clip, self.lr, self.steps, self.optimizer = clip, lr, int(steps), optimizer
+            model, problem, records, plan=plan, lr=lr, lr_y=lr_y, steps=steps, clip=clip, optimizer=optimizer,
+            y0=y0, noise=noise, privacy=privacy, runtime=runtime, settings=settings, units=units,
+        )  # fmt: skip
         self.x = Iterate(self.params, optimizer, keep_previous=False)
         self.v = DifferenceEstimator(self.flat)  # reset at every step: a plain noisy gradient
 

@@ -17,7 +17,6 @@ from ...optim.base import variant_class
 from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
 from ...optim.records import Records, as_records
-from ...optim.sampling import BatchSampler
 from ...privacy import events
 from ...problems import MinimaxProblem
 from ..minimax import MinimaxAlgorithm
@@ -122,6 +121,7 @@ class PrivateDiff(MinimaxAlgorithm):
     """
 
     name = "PrivateDiff"
+    batch_stream = "checkpoint"
     required_settings = ("steps", "restart", "y_steps", "batch_size", "clip")
 
     def __init__(
@@ -171,15 +171,11 @@ class PrivateDiff(MinimaxAlgorithm):
         plan = events.PrivateDiffPlan(
             n, n if sampling == "full" else batch_size, steps, restart, y_steps, sampling, y_release=y_release
         )
-        # One sampler for the sampled streams: they draw at the same rate, each release its own batch.
-        sampler = BatchSampler.for_stream(plan, "checkpoint", n, runtime.sampler_seed)
         super().__init__(
-            model, problem, records, plan=plan, sampler=sampler, lr_y=lr_y, clip_y=clip.get("y"), y0=y0,
-            noise=noise, privacy=privacy, runtime=runtime, settings=settings, units=units,
+            model, problem, records, plan=plan, lr=lr, lr_y=lr_y, steps=steps, clip=clip, optimizer=optimizer,
+            y0=y0, noise=noise, privacy=privacy, runtime=runtime, settings=settings, units=units,
         )  # fmt: skip
-        self.clip, self.y_release = clip, y_release
-        self.lr, self.steps, self.restart, self.y_steps = lr, int(steps), int(restart), int(y_steps)
-        self.optimizer = optimizer
+        self.y_release, self.restart, self.y_steps = y_release, int(restart), int(y_steps)
         per_move, offset = clip["difference"]
         cap = 2 * clip["checkpoint"] if max_radius is None else float(max_radius)
         self.radius = Radius(clip["checkpoint"], per_move=(per_move,), offset=offset, cap=cap)

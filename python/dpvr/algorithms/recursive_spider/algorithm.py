@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
-from ...optim.estimator import ClippedSum, DifferenceEstimator, Radius, release
-from ...optim.records import Records, as_records
+from ...optim.config import PrivacyConfig, RuntimeConfig
+from ...optim.estimator import ClippedSum, DifferenceEstimator, release
+from ...optim.records import Records
 from ...privacy import events
 from ...problems import (
     LossFn,
@@ -19,7 +19,7 @@ from ...problems import (
     inner_values,
     inner_x_weights,
 )
-from ..spider import SpiderAlgorithm, as_batch_sizes
+from ..spider import SpiderAlgorithm, require_positive
 from . import STREAMS
 
 
@@ -110,6 +110,7 @@ class RecursiveSpider(SpiderAlgorithm):
     """
 
     name = "Recursive-SPIDER"
+    plan_type = events.RecursiveSpiderPlan
     required_settings = (
         "rho", "lam0", "steps", "restart", "batch_sizes", "lr", "lr_lam", "beta", "loss_bound", "clip",
     )  # fmt: skip
@@ -145,26 +146,19 @@ class RecursiveSpider(SpiderAlgorithm):
             beta=beta, loss_bound=loss_bound, clip=clip, lam_init=lam_init, s0=s0, s_floor=s_floor,
             noise=noise, sampling=sampling, privacy=privacy, runtime=runtime,
         )  # fmt: skip
-        for name, value in (("lam0", lam0), ("lr", lr), ("lr_lam", lr_lam), ("s_floor", s_floor)):
-            if not value > 0:
-                raise ValueError(f"{name}: must be > 0, got {value}")
+        require_positive(lam0=lam0, lr=lr, lr_lam=lr_lam, s_floor=s_floor)
         if not 0 < beta <= 1:
             raise ValueError(f"beta: must be in (0, 1], got {beta}")
         if not lam_init >= lam0:
             raise ValueError(f"lam_init: must be >= lam0 = {lam0}, got {lam_init}")
-        clip = stream_clips(clip, self.clip_streams)
-        records = as_records(inputs, targets)
-        plan = events.RecursiveSpiderPlan(len(records), steps, restart, as_batch_sizes(batch_sizes), sampling)
         super().__init__(
-            model, loss_fn, records, plan=plan, noise=noise, privacy=privacy, runtime=runtime,
-            settings=settings,
+            model, loss_fn, inputs, targets, steps=steps, restart=restart, batch_sizes=batch_sizes,
+            sampling=sampling, clip=clip, noise=noise, privacy=privacy, runtime=runtime, settings=settings,
         )  # fmt: skip
-        self.rho, self.lam0, self.restart, self.clip = float(rho), float(lam0), int(restart), clip
+        self.rho, self.lam0, self.s_floor = float(rho), float(lam0), float(s_floor)
         self.lr, self.lr_lam, self.beta, self.bound = float(lr), float(lr_lam), float(beta), float(loss_bound)
-        self.s_floor = float(s_floor)
-        # Difference radii capped at twice the refresh radius (not in the paper: noise cannot feed on itself).
-        self.v_radius = Radius(clip["v-refresh"], per_move=(clip["v-difference"],), cap=2 * clip["v-refresh"])
-        self.u_radius = Radius(clip["u-refresh"], per_move=(clip["u-difference"],), cap=2 * clip["u-refresh"])
+        self.v_radius = self._difference_radius("v-refresh", "v-difference")
+        self.u_radius = self._difference_radius("u-refresh", "u-difference")
         dtype = self.params[0].dtype
         self.lam = torch.tensor([float(lam_init)], dtype=dtype)
         self._lam_prev = self.lam.clone()
