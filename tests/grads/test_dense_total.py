@@ -87,3 +87,54 @@ def test_dp_sgd_release_unchanged(monkeypatch):
     monkeypatch.setattr(Dense, "total", one_product)
     reference = _released(5)
     assert all(torch.equal(a, b) for a, b in zip(blocks, reference))
+
+
+def _wide_mlp_release(monkeypatch, pooled_bytes: int) -> tuple[list[torch.Tensor], int]:
+    from dpvr.grads.ghost import clipper as module
+
+    monkeypatch.setattr(module, "POOLED_BYTES", pooled_bytes)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(40, 300), nn.ReLU(), nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 4))
+    x, y = torch.randn(32, 40), torch.randint(0, 4, (32,))
+    clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
+    generator = ops.NoiseGenerator(3, reproducible=True)
+    generator.bind(b"pooled")
+    params = [p.data.view(-1) for p in model.parameters()]
+    velocity = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        generator.for_release(step.to_bytes(8, "little"))
+        sums = clipper.clipped_sum(x, y, 0.5, wide=True).sums
+        ops.noisy_update(velocity, sum=[s.view(-1) for s in sums], scale=1 / 32, sigma=0.5 / 32, reset=True,
+                         generator=generator, stream="dp-sgd", params=params, lr=0.1)
+    return [p.detach().clone() for p in model.parameters()], len(clipper._pool)
+
+
+def test_pooled_sums_release_unchanged(monkeypatch):
+    """Large linear maps' float64 sums written into kept buffers (every map's here, the threshold lowered)
+    release the same parameters bit for bit as fresh ones."""
+    pooled, kept = _wide_mlp_release(monkeypatch, 0)
+    fresh, none = _wide_mlp_release(monkeypatch, 1 << 60)
+    assert kept == 3 and none == 0
+    assert all(torch.equal(a, b) for a, b in zip(pooled, fresh))
+
+
+def test_pooled_sum_still_held_is_never_overwritten(monkeypatch):
+    """A caller that keeps a sum (or only a view of it) across calls keeps its values: the pool writes a
+    buffer again only when nothing else refers to it."""
+    from dpvr.grads.ghost import clipper as module
+
+    monkeypatch.setattr(module, "POOLED_BYTES", 0)
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(30, 50), nn.ReLU(), nn.Linear(50, 3))
+    clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
+    x, y = torch.randn(16, 30), torch.randint(0, 3, (16,))
+    first = clipper.clipped_sum(x, y, 1.0, wide=True).sums
+    view = first[0].view(-1)
+    kept = view.clone()
+    del first
+    second = clipper.clipped_sum(x * 2, y, 1.0, wide=True).sums
+    assert torch.equal(view, kept)  # the first call's buffer survived through its view
+    assert not torch.equal(second[0].view(-1), kept)
+    del view, second
+    third = clipper.clipped_sum(x, y, 1.0, wide=True).sums
+    assert torch.equal(third[0].view(-1), kept)  # recomputed, into a buffer now free again

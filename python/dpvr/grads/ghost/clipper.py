@@ -167,6 +167,23 @@ def _recording_forward(layer: _Layer, original: Callable[..., Any],
     return forward
 
 
+# Buffers at least this large are mapped afresh by the C library at each allocation (glibc's largest dynamic
+# mmap threshold on 64-bit hosts), so clipped sums this large are written into kept buffers (_pooled).
+POOLED_BYTES = 32 << 20
+
+
+def _storage_counter() -> Callable[[Tensor], int] | None:
+    """How many references a tensor's memory has (tensors and views of it), where torch says: None if not."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return lambda t: count(t.untyped_storage()._cdata)
+
+
+_storage_uses = _storage_counter()
+# The count of a buffer that only the pool holds (the storage object made to ask adds one).
+_FREE_USES = _storage_uses(torch.empty(1)) if _storage_uses is not None else 0
+
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
 
 
@@ -290,6 +307,7 @@ class GhostClipper:
         # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
         self.choices: dict[str, cost.Choice] = {}
         self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
+        self._pool: dict[int, Tensor] = {}  # entries -> a float64 buffer for large clipped sums (_pooled)
 
     def _track(self, model: nn.Module) -> list[_Layer]:
         """The modules that own trainable parameters, each with its rule (the fallback when none applies)."""
@@ -861,10 +879,29 @@ class GhostClipper:
         with torch.no_grad():
             for j, (k, p) in enumerate(parts):
                 f = wide_factors[j] if isinstance(wide_factors, list) else wide_factors
-                total = p.total(f, self._named[k][1].shape)
+                shape = self._named[k][1].shape
+                out = self._pooled(shape.numel()) if type(p) is Outer and self.backend == "native" else None
+                total = p.total(f, shape) if out is None else p.total(f, shape, out=out)
                 sums[k] = total if wide else total.to(dtype)
         zeros = torch.float64 if wide else dtype
         return [torch.zeros_like(p, dtype=zeros) if s is None else s for s, (_, p) in zip(sums, self._named)]
+
+    def _pooled(self, numel: int) -> Tensor | None:
+        """A float64 host buffer of ``numel`` entries for an Outer part's clipped sum, or None (a fresh one).
+
+        Why: the C library maps a buffer of :data:`POOLED_BYTES` or more afresh at every allocation and
+        unmaps it when freed, so every step's float64 sum of a large linear map was written to new pages,
+        one page fault each (about a third of the wide MLP's 64 MiB float64 sum, 47 of 178 ms). A buffer is
+        kept per size and written again only when nothing outside the pool refers to its memory (the
+        caller has dropped the previous sum and every view of it), so a sum still held is never
+        overwritten. Between steps the pool holds one such buffer per size."""
+        if numel * 8 < POOLED_BYTES or _storage_uses is None:
+            return None
+        held = self._pool.get(numel)
+        if held is not None and _storage_uses(held) == _FREE_USES:
+            return held
+        self._pool[numel] = torch.empty(numel, dtype=torch.float64)
+        return self._pool[numel]
 
     def _clip_layers(self, parts: list[tuple[int, Part | Tied]], radii: LayerRadii, weights: Tensor | None,
                      batch: int, wide: bool) -> tuple[Grads, Tensor]:

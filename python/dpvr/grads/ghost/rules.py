@@ -123,17 +123,23 @@ class Outer:
     norm_scratch: float | None = None  # bytes of scratch that form may use (the float32 Gram form's blocks)
     by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
-    def total(self, f: Tensor, shape: torch.Size) -> Tensor:
+    def total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
         """``sum_i f_i u_i``, computed in ``f``'s dtype (the pieces are widened to it: a float64 ``f`` sums
-        over records in float64; see :meth:`GhostClipper._clip`)."""
-        out = None
+        over records in float64; see :meth:`GhostClipper._clip`). ``out``: a contiguous tensor of ``f``'s
+        dtype with as many entries, written with the same products (the values do not depend on it)."""
+        total = None
         for m, n in self.pieces:
             m, n = m.to(f.dtype), n.to(f.dtype)
             # Scale the narrower side by the factors; one matmul contracts samples and steps together.
             m, n = (m, scale_rows(n, f)) if n.shape[-1] <= m.shape[-1] else (scale_rows(m, f), n)
-            term = n.reshape(-1, n.shape[-1]).t() @ m.reshape(-1, m.shape[-1])
-            out = term if out is None else out.add_(term)
-        return out.reshape(shape)
+            left, right = n.reshape(-1, n.shape[-1]).t(), m.reshape(-1, m.shape[-1])
+            if total is not None:
+                total.add_(left @ right)
+            elif out is not None:
+                total = torch.mm(left, right, out=out.view(left.shape[0], right.shape[1]))
+            else:
+                total = left @ right
+        return total.reshape(shape)
 
     def drop(self, bad: Tensor) -> Outer:
         return Outer([(zero_rows(m, bad), zero_rows(n, bad)) for m, n in self.pieces])
