@@ -176,8 +176,9 @@ class AlgorithmSpec:
     - ``layout``: how :func:`dpvr.make_private` lays out a run of it, ``None`` where it does not run it
       (``phased``: bring your own solver, through :mod:`dpvr.algorithms.phased`):
 
-      - ``"sampled"``: one batch of ``batch_size`` records per step (required), its scheme the class's
-        ``sampling``; an epoch is the sampler's (:func:`dpvr.optim.sampling.steps_per_epoch`);
+      - ``"sampled"``: one batch of ``batch_size`` records per step (required), its scheme the run's
+        ``sampling`` (default: ``algorithm_options``' or the settings schema's, which the class shares); an
+        epoch is the sampler's (:func:`dpvr.optim.sampling.steps_per_epoch`);
       - ``"full-batch"``: every step reads the whole dataset, so an epoch is one step (no ``batch_size``);
       - ``"per-stream"``: each stream has its own batch size (the algorithm's ``batch_sizes``), so there is
         no single epoch: the run's length is ``steps=`` only;
