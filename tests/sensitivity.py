@@ -61,17 +61,21 @@ from dpvr.algorithms import (
     DPGD,
     DPSGD,
     DPSGDA,
+    DIFF2Plan,
     DoubleSpider,
+    DoubleSpiderPlan,
+    DPSGDAPlan,
     LastIterateDPSGD,
     PhasedOutputPerturbation,
     PrivateDiff,
+    PrivateDiffPlan,
     RecursiveSpider,
+    RecursiveSpiderPlan,
 )
 from dpvr.objectives import KL, AUCMargin, AUCModel, ChiSquare, LogisticRegression
 from dpvr.objectives.dro import cross_entropy
 from dpvr.optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from dpvr.optim.sampling import BatchSampler
-from dpvr.privacy import events
 from dpvr.privacy.accountant import event_to_dict
 
 Shard = tuple[torch.Tensor, torch.Tensor]
@@ -347,7 +351,7 @@ def registry_factory(
 def build_diff2(data: list[Shard], config: Config) -> PrivateAlgorithm:
     o, sizes = config["options"], [len(x) for x, _ in data]
     local = o.get("routine") == "bvr-l-sgd"
-    plan = events.DIFF2Plan(
+    plan = DIFF2Plan(
         dataset_size=min(sizes),
         clients=len(sizes),
         steps=o["steps"],
@@ -363,7 +367,7 @@ def build_diff2(data: list[Shard], config: Config) -> PrivateAlgorithm:
 def build_dpsgda(data: Shard, config: Config) -> PrivateAlgorithm:
     x, y = data
     o = config["options"]
-    plan = events.DPSGDAPlan(len(x), _batch_size(config, len(x)), o["steps"], o.get("sampling", "wor"))
+    plan = DPSGDAPlan(len(x), _batch_size(config, len(x)), o["steps"], o.get("sampling", "wor"))
     noise = _noise(plan.streams, config)
     model = MINIMAX.model(config.get("bias", True))
     return DPSGDA(model, MINIMAX.problem, x, y, **noise, **_settings(config))
@@ -372,7 +376,7 @@ def build_dpsgda(data: Shard, config: Config) -> PrivateAlgorithm:
 def build_private_diff(data: Shard, config: Config) -> PrivateAlgorithm:
     x, y = data
     o = config["options"]
-    plan = events.PrivateDiffPlan(
+    plan = PrivateDiffPlan(
         len(x),
         _batch_size(config, len(x)),
         o["steps"],
@@ -390,7 +394,7 @@ def build_double_spider(data: Shard, config: Config) -> PrivateAlgorithm:
     x, y = data
     options = _settings(config)
     options["divergence"] = {"chi2": ChiSquare(), "kl": KL()}[options.get("divergence", "chi2")]
-    plan = events.DoubleSpiderPlan(
+    plan = DoubleSpiderPlan(
         len(x), options["steps"], options["restart"], tuple(options["batch_sizes"])
     )
     model = DRO.model(config.get("bias", True))
@@ -400,7 +404,7 @@ def build_double_spider(data: Shard, config: Config) -> PrivateAlgorithm:
 def build_recursive_spider(data: Shard, config: Config) -> PrivateAlgorithm:
     x, y = data
     options = _settings(config)
-    plan = events.RecursiveSpiderPlan(
+    plan = RecursiveSpiderPlan(
         len(x), options["steps"], options["restart"], tuple(options["batch_sizes"])
     )
     model = DRO.model(config.get("bias", True))

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import dpvr
-from dpvr.algorithms import DPGD, DPSGD
+from dpvr.algorithms import DPGD, DPSGD, CyclicDPSGDPlan
 from dpvr.optim import L1, BudgetExhaustedError, ElasticNet, L2Ball, PrivacyConfig, RuntimeConfig
 from dpvr.privacy import Accountant
-from dpvr.privacy.last_iterate import CyclicDPSGDPlan
 
 TINY = 1e-100
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
+from dpvr.algorithms import PhasedPlan
 from dpvr.algorithms.phased.algorithm import PhasedOutputPerturbation, gaussian_ratio, release_ratio
 from dpvr.algorithms.phased.problem import SolverResult
 from dpvr.objectives import BilinearSaddle, LogisticRegression, QuadraticSaddle, RobustRegression
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import PrivacyConfig, RuntimeConfig
-from dpvr.privacy import PhasedPlan
 
 EPS, DELTA = 0.8, 1e-6
 

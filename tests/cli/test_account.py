@@ -7,9 +7,10 @@ import re
 import numpy as np
 import pytest
 
+from dpvr.algorithms import CyclicDPSGDPlan, DIFF2Plan, DPSGDPlan
 from dpvr.cli import account as account_cli
 from dpvr.cli import build_parser
-from dpvr.privacy import CyclicDPSGDPlan, DIFF2Plan, DPSGDPlan, account, calibrate
+from dpvr.privacy import account, calibrate
 
 
 def _parse(command: str) -> argparse.Namespace:
@@ -236,9 +237,8 @@ def test_errors_name_the_argument(command, match):
 
 
 def test_spend_curves_end_at_the_runs_epsilon_and_plot_for_every_command(capsys, tmp_path):
+    from dpvr.algorithms import DPSGDPlan, epsilon_by_epoch
     from dpvr.privacy import spend_curves
-    from dpvr.privacy.events import DPSGDPlan
-    from dpvr.privacy.last_iterate import epsilon_by_epoch
 
     plan = DPSGDPlan(dataset_size=1000, batch_size=50, steps=40)
     curves = spend_curves(plan, {"gradient": 1.0}, 1e-5, [1, 10, 40])

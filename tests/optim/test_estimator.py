@@ -9,7 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from dpvr.algorithms import DIFF2, DPSGD, DPSGDA, DoubleSpider, PrivateDiff, RecursiveSpider
+from dpvr.algorithms import (
+    DIFF2,
+    DPSGD,
+    DPSGDA,
+    DIFF2Plan,
+    DoubleSpider,
+    DPSGDPlan,
+    PrivateDiff,
+    RecursiveSpider,
+)
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import (
     ClippedSum,
@@ -22,7 +31,6 @@ from dpvr.optim import (
 )
 from dpvr.optim.config import stream_clips
 from dpvr.optim.sampling import BatchSampler
-from dpvr.privacy import DIFF2Plan, DPSGDPlan
 
 
 def _data(n: int = 40, d: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import dpvr
-from dpvr.algorithms import DPGD, DPSGD, PhasedOutputPerturbation
+from dpvr.algorithms import DPGD, DPSGD, DPSGDPlan, PhasedOutputPerturbation
 from dpvr.objectives import LogisticRegression
 from dpvr.optim import PrivacyConfig, RuntimeConfig
 from dpvr.optim.ledger import LedgerError
-from dpvr.privacy import Accountant, DPSGDPlan
+from dpvr.privacy import Accountant
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 

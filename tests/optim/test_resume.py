@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import dpvr
-from dpvr.algorithms import DPGD, DPSGD
+from dpvr.algorithms import DPGD, DPSGD, DPSGDPlan
 from dpvr.optim import RuntimeConfig
 from dpvr.optim.ledger import LedgerError
 from dpvr.optim.sampling import BatchSampler
-from dpvr.privacy import Accountant, DPSGDPlan
+from dpvr.privacy import Accountant
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 

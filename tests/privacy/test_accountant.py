@@ -11,7 +11,8 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from dpvr.privacy import Accountant, DPSGDAPlan, DPSGDPlan, PrivacyReport, account
+from dpvr.algorithms import DPSGDAPlan, DPSGDPlan
+from dpvr.privacy import Accountant, PrivacyReport, account
 
 ORDERS = rdp_privacy_accountant.DEFAULT_RDP_ORDERS
 AR = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -305,8 +306,8 @@ def test_replace_one_poisson_run_logs_no_rdp_convergence_warnings(caplog) -> Non
     # user saw on every make_private (issue 48's trial). The dropped orders leave a valid bound: silenced.
     import logging
 
+    from dpvr.algorithms import DPSGDPlan
     from dpvr.privacy.accountant import account
-    from dpvr.privacy.events import DPSGDPlan
 
     plan = DPSGDPlan(20, "poisson", 0.0712, neighbouring="replace-one")
     with caplog.at_level(logging.WARNING, logger="absl"):

@@ -8,10 +8,8 @@ import json
 import dp_accounting as dpa
 import pytest
 
-from dpvr.privacy import (
-    Accountant,
-    DPSGDPlan,
-)
+from dpvr.algorithms import DPSGDPlan
+from dpvr.privacy import Accountant
 from dpvr.privacy.pld.random_allocation import random_allocation_gaussian_pld
 from dpvr.privacy.random_allocation import RandomAllocationDpEvent
 

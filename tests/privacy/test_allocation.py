@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from dpvr.algorithms import DIFF2
+from dpvr.algorithms import DIFF2, DIFF2Plan, DPSGDPlan, PrivateDiffPlan
 from dpvr.optim import PrivacyConfig
-from dpvr.privacy import DIFF2Plan, DPSGDPlan, PrivateDiffPlan, account, calibrate
+from dpvr.privacy import account, calibrate
 from dpvr.privacy.allocation import proxy, stream_dimensions
 
 EPSILON, DELTA = 1.0, 1e-5

@@ -7,13 +7,11 @@ import dp_accounting as dpa
 import pytest
 from scipy import optimize, stats
 
+from dpvr.algorithms import DIFF2Plan, DPSGDPlan, PrivateDiffPlan
 from dpvr.privacy import (
     ACCOUNTANTS,
     Accountant,
     AccountantBackend,
-    DIFF2Plan,
-    DPSGDPlan,
-    PrivateDiffPlan,
     account,
     accountant_backend,
     calibrate,

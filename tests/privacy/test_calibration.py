@@ -5,7 +5,7 @@ import math
 import dp_accounting as dpa
 import pytest
 
-from dpvr.privacy import (
+from dpvr.algorithms import (
     CyclicDPSGDPlan,
     DIFF2Plan,
     DoubleSpiderPlan,
@@ -14,9 +14,8 @@ from dpvr.privacy import (
     PhasedPlan,
     PrivateDiffPlan,
     RecursiveSpiderPlan,
-    account,
-    calibrate,
 )
+from dpvr.privacy import account, calibrate
 
 ROUND_TRIP = [
     DPSGDPlan(10_000, "poisson", 0.01),

@@ -10,13 +10,8 @@ import pytest
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from dpvr.privacy import (
-    Accountant,
-    DPSGDAPlan,
-    DPSGDPlan,
-    PrivateDiffPlan,
-    calibrate,
-)
+from dpvr.algorithms import DPSGDAPlan, DPSGDPlan, PrivateDiffPlan
+from dpvr.privacy import Accountant, calibrate
 
 DELTA = 1e-5
 

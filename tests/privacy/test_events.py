@@ -7,20 +7,16 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpvr.privacy import (
-    Accountant,
+from dpvr.algorithms import (
     DIFF2Plan,
     DoubleSpiderPlan,
     DPSGDAPlan,
     DPSGDPlan,
-    Mechanism,
     PhasedPlan,
     PrivateDiffPlan,
     RecursiveSpiderPlan,
-    Sampling,
-    Stream,
-    output_perturbation_multiplier,
 )
+from dpvr.privacy import Accountant, Mechanism, Sampling, Stream, output_perturbation_multiplier
 
 RO = dpa.NeighboringRelation.REPLACE_ONE
 

@@ -7,18 +7,8 @@ import mpmath
 import numpy as np
 import pytest
 
-from dpvr.privacy import (
-    Accountant,
-    CyclicDPSGDPlan,
-    DPSGDPlan,
-    account,
-    calibrate,
-    epsilon_by_epoch,
-    l_lambda,
-    theorem_2_2_rho,
-    theorem_2_3_rho,
-    theta,
-)
+from dpvr.algorithms import CyclicDPSGDPlan, DPSGDPlan, epsilon_by_epoch
+from dpvr.privacy import Accountant, account, calibrate, l_lambda, theorem_2_2_rho, theorem_2_3_rho, theta
 
 mpmath.mp.dps = 60
 

@@ -5,17 +5,10 @@ import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution
 
+from dpvr.algorithms import CyclicDPSGDPlan, DIFF2Plan, DPSGDAPlan, DPSGDPlan, PrivateDiffPlan
 from dpvr.optim import PrivacyConfig
 from dpvr.optim.base import tightest_accountant
-from dpvr.privacy import (
-    Accountant,
-    CyclicDPSGDPlan,
-    DIFF2Plan,
-    DPSGDAPlan,
-    DPSGDPlan,
-    PrivateDiffPlan,
-    calibrate,
-)
+from dpvr.privacy import Accountant, calibrate
 from dpvr.privacy.pld import pld_epsilon
 from dpvr.privacy.pld.adapter import directions
 from dpvr.privacy.pld.calibration import _PLD_RTOL

@@ -191,7 +191,7 @@ def test_dp_sgd_rdp_is_looser_than_pld_and_the_report_says_by_how_much():
 
 
 def _plan_mechanism():
-    from dpvr.privacy import DPSGDPlan
+    from dpvr.algorithms import DPSGDPlan
 
     plan = DPSGDPlan(steps=1000, sampling="poisson", sample_rate=0.01, neighbouring="add-remove")
     return plan({"gradient": 1.0})

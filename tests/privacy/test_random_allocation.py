@@ -20,9 +20,10 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import integrate
 from scipy.stats import norm
 
+from dpvr.algorithms import DPSGDPlan
 from dpvr.cli import account as account_cli
 from dpvr.optim.sampling import BatchSampler
-from dpvr.privacy import Accountant, DPSGDPlan, account
+from dpvr.privacy import Accountant, account
 from dpvr.privacy.pld.adapter import directions
 from dpvr.privacy.pld.random_allocation import (
     _allocation_pld,

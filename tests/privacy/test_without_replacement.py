@@ -16,7 +16,8 @@ import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy.stats import norm, truncnorm
 
-from dpvr.privacy import Accountant, DPSGDPlan, account, calibrate
+from dpvr.algorithms import DPSGDPlan
+from dpvr.privacy import Accountant, account, calibrate
 from dpvr.privacy.pld.adapter import directions
 from dpvr.privacy.pld.subsampling import wor_gaussian_delta, wor_gaussian_pld
 

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
+from dpvr.algorithms import DIFF2Plan, DPSGDAPlan, DPSGDPlan, PrivateDiffPlan
 from dpvr.privacy.calibration import calibrate
-from dpvr.privacy.events import DIFF2Plan, DPSGDAPlan, DPSGDPlan, PrivateDiffPlan
 from dpvr.trainer.defaults import (
     Public,
     derive,

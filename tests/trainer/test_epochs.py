@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
+from dpvr.algorithms import DPSGDPlan
 from dpvr.optim.sampling import BatchSampler, steps_per_epoch
 from dpvr.privacy import calibrate
-from dpvr.privacy.events import DPSGDPlan
 
 DELTA = 1e-5
 

@@ -27,12 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpvr.algorithms import DPSGD
+from dpvr.algorithms import DPSGD, CyclicDPSGDPlan, epsilon_by_epoch
 from dpvr.data import UNIT_NORM, Dataset, PublicScaling, load, split_public, unit_norm
 from dpvr.data import train_test_split as split_train_test
 from dpvr.ops import torch_threads
 from dpvr.optim import L1, PrivacyConfig
-from dpvr.privacy.last_iterate import CyclicDPSGDPlan, epsilon_by_epoch
 from dpvr.results import Record, document, format_table, write_figure
 
 from .common import derive_seed, format_mean_std, progress, record_metrics, save

@@ -46,11 +46,12 @@ from typing import Any
 import numpy as np
 
 from dpvr import data
+from dpvr.algorithms import DPSGDPlan
 from dpvr.algorithms.phased.algorithm import PhasedOutputPerturbation
 from dpvr.objectives.phased_problems import LogisticRegression, QuadraticSaddle, RobustRegression
 from dpvr.ops import NoiseGenerator, clip_accumulate, noisy_update
 from dpvr.optim import PrivacyConfig, RuntimeConfig
-from dpvr.privacy import Accountant, DPSGDPlan
+from dpvr.privacy import Accountant
 from dpvr.problems import FiniteSumProblem
 from dpvr.results import Record, document, format_table, write_figure
 

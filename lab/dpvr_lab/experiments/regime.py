@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from dpvr.algorithms import DIFF2Plan, DPSGDPlan
 from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
-from dpvr.privacy.events import DIFF2Plan, DPSGDPlan
 from dpvr.results import Record, document, format_table, write_figure
 from dpvr.trainer.defaults import Protocol, diff2_protocol, diff2_tau, dpgd_protocol, restart_period
 

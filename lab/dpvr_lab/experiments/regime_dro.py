@@ -78,9 +78,9 @@ from typing import Any
 
 import numpy as np
 
+from dpvr.algorithms import DPSGDPlan, RecursiveSpiderPlan
 from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
-from dpvr.privacy.events import DPSGDPlan, RecursiveSpiderPlan
 from dpvr.results import Record, document
 from dpvr.trainer.defaults import Protocol, dpgd_protocol, spider_protocol
 

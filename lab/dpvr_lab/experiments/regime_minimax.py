@@ -55,9 +55,9 @@ from typing import Any
 
 import numpy as np
 
+from dpvr.algorithms import DPSGDAPlan, PrivateDiffPlan
 from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
-from dpvr.privacy.events import DPSGDAPlan, PrivateDiffPlan
 from dpvr.results import Record, document
 from dpvr.trainer.defaults import Protocol, dpsgda_protocol, private_diff_protocol, restart_period
 

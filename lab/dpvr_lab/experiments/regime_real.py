@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
+from dpvr.algorithms import DPSGDPlan
 from dpvr.data.mnist1d import load_mnist1d
 from dpvr.privacy.accountant import account
 from dpvr.privacy.calibration import calibrate
-from dpvr.privacy.events import DPSGDPlan
 from dpvr.results import Record, document, format_table
 
 from . import regime

@@ -2,15 +2,16 @@
 (:class:`dpvr.registry.AlgorithmSpec`) with its settings schema (a frozen dataclass whose fields are the
 settings, from which the entry's arguments are derived), the theorem-derived defaults it binds
 (:attr:`AlgorithmSpec.rules`, the formulas in :mod:`dpvr.algorithms.theorems`) and what it supports under data
-parallelism (:attr:`AlgorithmSpec.data_parallel`); its ``algorithm`` module holds the class that runs it, and
-its ``audit`` module its audit games. Machinery a family shares sits beside them
-(:mod:`~dpvr.algorithms.minimax`, :mod:`~dpvr.algorithms.spider`); what every algorithm is built from is
+parallelism (:attr:`AlgorithmSpec.data_parallel`); its ``plan`` module holds its plan (what it releases, as
+:mod:`dpvr.privacy` prices it), its ``algorithm`` module the class that runs it, and its ``audit`` module its
+audit games. Machinery a family shares sits beside them (:mod:`~dpvr.algorithms.minimax`,
+:mod:`~dpvr.algorithms.spider`, :mod:`~dpvr.algorithms.spider_plan`); what every algorithm is built from is
 :mod:`dpvr.optim`.
 
 Importing ``dpvr`` imports this package, so :data:`dpvr.registry.REGISTRY` lists the built-in algorithms in
-the order below (the order the command line lists them). The entries import no torch (so ``dpvr account``
-starts without it): an entry names its class by import path, and the classes exported here are imported on
-first access (PEP 562). An algorithm defined outside dpvr is a module of the same shape, calling
+the order below (the order the command line lists them). The entries and plans import no torch (so ``dpvr
+account`` starts without it): an entry names its class by import path, and the classes exported here are
+imported on first access (PEP 562). An algorithm defined outside dpvr is a module of the same shape, calling
 :func:`dpvr.registry.register`.
 """
 
@@ -27,6 +28,17 @@ from . import double_spider  # noqa: F401
 from . import recursive_spider  # noqa: F401
 from . import phased  # noqa: F401
 from . import last_iterate  # noqa: F401
+
+# The plans: what each algorithm releases, priced by dpvr.privacy (torch-free).
+from .dp_sgd.plan import DPSGDPlan
+from .diff2.plan import DIFF2Plan
+from .dp_sgda.plan import DPSGDAPlan
+from .private_diff.plan import PrivateDiffPlan
+from .double_spider.plan import DoubleSpiderPlan
+from .recursive_spider.plan import RecursiveSpiderPlan
+from .phased.plan import PhasedPlan
+from .last_iterate.plan import CyclicDPSGDPlan
+from .last_iterate.plan import epsilon_by_epoch
 
 # Public class -> the module that defines it, imported on first access (the classes import torch).
 _CLASSES = {
@@ -55,4 +67,15 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = list(_CLASSES)
+__all__ = [
+    "CyclicDPSGDPlan",
+    "DIFF2Plan",
+    "DPSGDAPlan",
+    "DPSGDPlan",
+    "DoubleSpiderPlan",
+    "PhasedPlan",
+    "PrivateDiffPlan",
+    "RecursiveSpiderPlan",
+    "epsilon_by_epoch",
+    *_CLASSES,
+]

@@ -29,7 +29,7 @@ _SPIDER_SAMPLING = ("wor", "poisson")
 
 @dataclass(frozen=True)
 class SpiderSettings:
-    """The settings of a SPIDER plan (:class:`dpvr.privacy.events.DoubleSpiderPlan`, ``RecursiveSpiderPlan``):
+    """The settings of a SPIDER plan (:class:`dpvr.algorithms.DoubleSpiderPlan`, ``RecursiveSpiderPlan``):
     each algorithm's schema derives from it, naming its own batch sizes (the field keeps its place)."""
 
     dataset_size: int = setting(DATASET_SIZE)

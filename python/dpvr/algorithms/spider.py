@@ -5,7 +5,7 @@ Both are SPIDER estimators refreshed every ``q`` steps: at a refresh step an est
 mean of per-sample clipped gradients; at the other steps it adds a noisy mean of per-sample clipped
 same-sample differences between the current and the previous point, clipped at a radius proportional to
 how far the (released) iterates moved, with noise std proportional to that radius. Each noisy mean is a
-release of one stream of the plans :class:`dpvr.privacy.events.DoubleSpiderPlan` / ``RecursiveSpider``, which
+release of one stream of the plans :class:`dpvr.algorithms.DoubleSpiderPlan` / ``RecursiveSpider``, which
 the algorithm admits (budget guard), performs and records in one accountant, as it happens.
 
 Noise multipliers are dpvr's (``dpvr account double-spider --noise-multipliers ...``): the noise std on a
@@ -28,10 +28,8 @@ from ..optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius
 from ..optim.gradients import accumulators, check_loss
 from ..optim.records import Batch, Records, as_records
 from ..optim.sampling import BatchSampler
-from ..privacy import events
-from ..problems import (
-    LossFn,
-)
+from ..problems import LossFn
+from .spider_plan import SpiderPlan
 
 
 class SpiderAlgorithm(PrivateAlgorithm):
@@ -40,7 +38,7 @@ class SpiderAlgorithm(PrivateAlgorithm):
     previous iterate ``x_{t-1}``."""
 
     #: The plan of the algorithm's streams, built from the run's size, length, period, batch sizes and scheme.
-    plan_type: type[events._SpiderPlan]
+    plan_type: type[SpiderPlan]
 
     def __init__(
         self,

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..privacy.calibration import calibrate
-from ..privacy.events import DPSGDPlan
+from .dp_sgd.plan import DPSGDPlan
 
 
 @dataclass(frozen=True)

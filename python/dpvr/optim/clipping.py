@@ -27,7 +27,7 @@ accountant doubles for both parts alike): the pair is one Gaussian mechanism on 
 ``sigma_b > z / 2``. This is Andrew et al.'s relation under add/remove, and, because the shift halves the
 count's unit, the same relation holds under replace-one (an unshifted count, moving by 1 under add/remove,
 would need ``1/z_g^2 = 1/z^2 - 1/sigma_b^2``). The accountant records exactly that group per step
-(:class:`dpvr.privacy.events.AdaptiveClipDPSGDPlan`).
+(:class:`dpvr.algorithms.dp_sgd.plan.AdaptiveClipDPSGDPlan`).
 
 Post-processing: ``C_t`` is a function of the initial radius (public), ``gamma``, ``eta_C``, ``B`` and the
 counts released before step ``t`` only; the radius in force at a step therefore reads no private data beyond

@@ -2,9 +2,9 @@
 
 - :class:`Accountant` records what an algorithm releases, stream by stream, and answers ``epsilon(delta)``,
   ``delta(epsilon)`` and a :class:`PrivacyReport`; it checkpoints to JSON.
-- :mod:`~dpvr.privacy.events` has a plan (mechanism factory) per algorithm: DP-SGD/DP-GD, DIFF2, DP-SGDA,
-  PrivateDiff, DP Double-SPIDER, DP Recursive-SPIDER and the phased output-perturbation framework;
-  :mod:`~dpvr.privacy.last_iterate` has cyclic DP-SGD's last-iterate bounds.
+- :class:`Plan` (:mod:`~dpvr.privacy.events`) is what every algorithm's plan (mechanism factory) is built
+  on; the plans themselves live with their algorithms (``dpvr.algorithms.DPSGDPlan``, ``DIFF2Plan``, ...).
+  :mod:`~dpvr.privacy.last_iterate` has the last-iterate bounds of cyclic DP-SGD.
 - :func:`calibrate` finds the noise for a target ``(epsilon, delta)``, jointly over all streams, or returns
   the paper's closed form.
 - The accountants are backends behind one protocol (:mod:`~dpvr.privacy.relations`), registered by
@@ -19,19 +19,8 @@ replace-one and add/remove neighbours).
 
 from .accountant import Accountant, PrivacyReport, account, event_from_dict, event_to_dict, spend_curves
 from .calibration import MechanismFactory, calibrate
-from .events import (
-    DIFF2Plan,
-    DoubleSpiderPlan,
-    DPSGDAPlan,
-    DPSGDPlan,
-    PaperSigmas,
-    PhasedPlan,
-    Plan,
-    PrivateDiffPlan,
-    RecursiveSpiderPlan,
-    output_perturbation_multiplier,
-)
-from .last_iterate import CyclicDPSGDPlan, epsilon_by_epoch, l_lambda, theorem_2_2_rho, theorem_2_3_rho, theta
+from .events import PaperSigmas, Plan, output_perturbation_multiplier
+from .last_iterate import l_lambda, theorem_2_2_rho, theorem_2_3_rho, theta
 from .mechanism import Mechanism, Release, Sampling, Stream
 from .relations import (
     ACCOUNTANTS,
@@ -47,23 +36,15 @@ from .relations import (
 __all__ = [
     "ACCOUNTANTS",
     "ADD_REMOVE",
-    "DIFF2Plan",
-    "DPSGDPlan",
-    "DPSGDAPlan",
     "NEIGHBOURING",
     "REPLACE_ONE",
     "Accountant",
     "AccountantBackend",
-    "CyclicDPSGDPlan",
-    "DoubleSpiderPlan",
     "Mechanism",
     "MechanismFactory",
     "PaperSigmas",
-    "PhasedPlan",
     "Plan",
     "PrivacyReport",
-    "PrivateDiffPlan",
-    "RecursiveSpiderPlan",
     "Release",
     "Sampling",
     "Stream",
@@ -71,7 +52,6 @@ __all__ = [
     "spend_curves",
     "accountant_backend",
     "calibrate",
-    "epsilon_by_epoch",
     "event_from_dict",
     "event_to_dict",
     "l_lambda",

@@ -31,17 +31,8 @@ cannot take it). In dpvr's noise-multiplier convention ``sigma = lr z C / b``, a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-
-import numpy as np
 
 from . import _checks
-from .accountant import Accountant
-from .backends import RDP
-from .events import Plan
-from .mechanism import Stream
-from .relations import REPLACE_ONE, check_neighbouring
 
 BOUNDS = ("best", "last-iterate", "composition")
 
@@ -76,14 +67,14 @@ def theta(lipschitz: float, s: int) -> float:
     return _theta_from_log(2 * math.log(lipschitz), _checks.count("s", s))
 
 
-def _step_limit(weak_convexity: float, smoothness: float, clipping: bool) -> float:
+def step_limit(weak_convexity: float, smoothness: float, clipping: bool) -> float:
     total = weak_convexity + smoothness
     if total == 0:
         return math.inf
     return 1 / (2 * total) if clipping else 1 / total
 
 
-def _check_common(lr: float, clip: float, batch_size: int, weak_convexity: float, smoothness: float) -> None:
+def check_settings(lr: float, clip: float, batch_size: int, weak_convexity: float, smoothness: float) -> None:
     _checks.positive("lr", lr)
     _checks.positive("clip", clip)
     _checks.count("batch_size", batch_size, minimum=1)
@@ -91,7 +82,7 @@ def _check_common(lr: float, clip: float, batch_size: int, weak_convexity: float
     _checks.non_negative("smoothness", smoothness)
 
 
-def _require_step(lr: float, limit: float, theorem: str) -> None:
+def require_step(lr: float, limit: float, theorem: str) -> None:
     if lr > limit:
         raise ValueError(f"lr={lr} violates {theorem}'s step-size condition lr <= {limit:.6g}")
 
@@ -108,10 +99,10 @@ def theorem_2_2_rho(
     clipping: bool = True,
 ) -> float:
     """Theorem 2.2: ``rho`` with ``D_alpha(X_T || X'_T) <= rho * alpha`` for a domain of diameter ``d_h``."""
-    _check_common(lr, clip, batch_size, weak_convexity, smoothness)
+    check_settings(lr, clip, batch_size, weak_convexity, smoothness)
     _checks.positive("sigma", sigma)
     _checks.non_negative("domain_diameter", domain_diameter)
-    _require_step(lr, _step_limit(weak_convexity, smoothness, clipping=True), "Theorem 2.2")
+    require_step(lr, step_limit(weak_convexity, smoothness, clipping=True), "Theorem 2.2")
     lipschitz = l_lambda(lr, weak_convexity, smoothness) * (math.sqrt(2) if clipping else 1.0)
     return (lipschitz * domain_diameter + 2 * lr * clip / batch_size) ** 2 / (2 * sigma**2)
 
@@ -129,16 +120,16 @@ def theorem_2_3_rho(
     clipping: bool = True,
 ) -> float:
     """Theorem 2.3: ``rho`` with ``D_alpha(X_T || X'_T) <= rho * alpha``, clipped (17) or unclipped (19)."""
-    _check_common(lr, clip, batch_size, weak_convexity, smoothness)
+    check_settings(lr, clip, batch_size, weak_convexity, smoothness)
     _checks.positive("sigma", sigma)
-    ell = _passes_length(dataset_size, batch_size)
+    ell = passes_length(dataset_size, batch_size)
     epochs = _checks.count("steps", steps, minimum=1) // ell
-    _require_step(lr, _step_limit(weak_convexity, smoothness, clipping), "Theorem 2.3")
+    require_step(lr, step_limit(weak_convexity, smoothness, clipping), "Theorem 2.3")
     log_l_sq = _log_l_lambda_sq(lr, weak_convexity, smoothness) + (math.log(2) if clipping else 0.0)
     return 4 * (lr * clip / (batch_size * sigma)) ** 2 * (1 + epochs * _theta_from_log(log_l_sq, ell))
 
 
-def _passes_length(dataset_size: int, batch_size: int) -> int:
+def passes_length(dataset_size: int, batch_size: int) -> int:
     dataset_size = _checks.count("dataset_size", dataset_size, minimum=1)
     batch_size = _checks.count("batch_size", batch_size, minimum=1)
     if dataset_size % batch_size:
@@ -148,172 +139,17 @@ def _passes_length(dataset_size: int, batch_size: int) -> int:
     return dataset_size // batch_size
 
 
-@dataclass(frozen=True)
-class CyclicDPSGDPlan(Plan):
-    """Cyclic DP-SGD releasing only its last iterate; one stream ``"gradient"`` whose cost is an RDP curve.
-
-    Noise multiplier ``z``: the noise std on the *sum* of the batch's clipped gradients over ``C``, i.e.
-    ``sigma = lr z C / b`` in parameter space (:meth:`noise_multiplier`/:meth:`sigma` convert).
-    ``clipping=False`` asserts that no per-example gradient norm exceeds ``C`` along either run (the known
-    sensitivity case of Theorem 2.3, eq. 19). ``bound``:
-
-    - ``"last-iterate"``: the smaller of Theorem 2.3 and (when ``domain_diameter`` is finite) Theorem 2.2;
-      raises if the step-size condition fails;
-    - ``"composition"``: plain composition of the ``ceil(T/ell)`` passes, each a Gaussian with
-      replace-one sensitivity ``2C`` per record (``2 alpha / z^2`` per pass), valid for every iterate;
-    - ``"best"`` (default): the smaller of both, composition alone if the step-size condition fails.
-    """
-
-    dataset_size: int
-    batch_size: int
-    steps: int
-    lr: float
-    clip: float
-    weak_convexity: float = 0.0
-    smoothness: float = 0.0
-    domain_diameter: float = math.inf
-    clipping: bool = True
-    bound: str = "best"
-    neighbouring: str = REPLACE_ONE
-
-    def __post_init__(self) -> None:
-        _check_common(self.lr, self.clip, self.batch_size, self.weak_convexity, self.smoothness)
-        _passes_length(self.dataset_size, self.batch_size)
-        _checks.count("steps", self.steps, minimum=1)
-        if not self.domain_diameter >= 0:
-            raise ValueError(f"domain_diameter must be >= 0 (or inf), got {self.domain_diameter!r}")
-        if self.bound not in BOUNDS:
-            raise ValueError(f"bound must be one of {BOUNDS}, got {self.bound!r}")
-        if check_neighbouring(self.neighbouring) != REPLACE_ONE:
-            raise ValueError(
-                "the last-iterate bounds are proved for replace-one neighbours; "
-                "neighbouring must be 'replace-one'"
-            )
-        if self.bound == "last-iterate":
-            _require_step(
-                self.lr, _step_limit(self.weak_convexity, self.smoothness, self.clipping), "Theorem 2.3"
-            )
-
-    @property
-    def steps_per_pass(self) -> int:
-        """``ell = k / b``."""
-        return _passes_length(self.dataset_size, self.batch_size)
-
-    def cut(self, steps: int) -> dict[str, Plan]:
-        """The run after ``steps`` steps under the last-iterate bound (where its step-size condition holds)
-        and under composition of passes: the paper's Figure 1."""
-        runs: dict[str, Plan] = {}
-        for bound, label in (("last-iterate", "last iterate (Kong & Ribero)"),
-                             ("composition", "composition of passes")):
-            try:
-                runs[label] = replace(self, steps=steps, bound=bound)
-            except ValueError:  # the step-size condition of the last-iterate bound fails
-                continue
-        return runs
-
-    @property
-    def passes(self) -> int:
-        """Passes started, ``ceil(T / ell)`` (each record is used once per pass)."""
-        return -(-self.steps // self.steps_per_pass)
-
-    def _unit(self, stream: str) -> float:
-        # The paper's sigma is the parameter-space noise std: z = b sigma / (lr C).
-        return self.batch_size / (self.lr * self.clip)
-
-    @property
-    def _last_iterate_ok(self) -> bool:
-        return self.lr <= _step_limit(self.weak_convexity, self.smoothness, self.clipping)
-
-    def units(self) -> dict[str, float]:
-        """``rho * z^2`` of each applicable bound: ``"theorem 2.3"``, ``"theorem 2.2"``, ``"composition"``."""
-        units = {"composition": 2.0 * self.passes}
-        if self.bound == "composition" or not self._last_iterate_ok:
-            return units
-        sigma = 1.0 / self._unit("gradient")  # the parameter-space std at z = 1
-        common = dict(
-            sigma=sigma,
-            lr=self.lr,
-            clip=self.clip,
-            batch_size=self.batch_size,
-            weak_convexity=self.weak_convexity,
-            smoothness=self.smoothness,
-            clipping=self.clipping,
-        )
-        units["theorem 2.3"] = theorem_2_3_rho(dataset_size=self.dataset_size, steps=self.steps, **common)
-        theorem_2_2_applies = self.lr <= _step_limit(self.weak_convexity, self.smoothness, clipping=True)
-        if math.isfinite(self.domain_diameter) and theorem_2_2_applies:
-            units["theorem 2.2"] = theorem_2_2_rho(domain_diameter=self.domain_diameter, **common)
-        if self.bound == "last-iterate":
-            del units["composition"]
-        return units
-
-    def active_bound(self) -> str:
-        """The bound whose curve is used (the smallest applicable one)."""
-        units = self.units()
-        return min(units, key=units.get)
-
-    def _streams(self, noise):
-        z = noise.get("gradient", 1.0)
-        if self.active_bound() == "composition":  # "best" included: the Gaussians themselves, as tight
-            return [Stream("gradient", z, self.passes)]
-        return [Stream("gradient", z, 1, zcdp_unit=self.units()[self.active_bound()])]
-
-    def _assumptions(self):
-        limit = _step_limit(self.weak_convexity, self.smoothness, self.clipping)
-        notes = [
-            f"cyclic batches of {self.batch_size} over {self.dataset_size} records "
-            f"({self.steps_per_pass} steps per pass), {self.steps} steps; only the last iterate is released",
-            f"bound used: {self.active_bound()}",
-        ]
-        if self.bound == "composition" or self.active_bound() == "composition":
-            if not self._last_iterate_ok:
-                notes.append(
-                    f"lr={self.lr} exceeds the last-iterate step-size condition lr <= {limit:.6g}; "
-                    "plain composition used"
-                )
-            return tuple(notes)
-        notes += [
-            f"losses are {self.weak_convexity:g}-weakly convex and {self.smoothness:g}-upper-smooth on "
-            "dom h, for both neighbouring datasets (A2, A3); h convex, proper, lower-semicontinuous (A1)",
-            f"step size lr={self.lr:g} <= {limit:.6g}",
-            (
-                "clipping may be active: Lipschitz constant sqrt(2) L_lambda"
-                if self.clipping
-                else f"no clipping: every per-example gradient norm along both runs is <= C={self.clip:g}"
-            ),
-            "Theorem 2.3 with its stated constant 4 alpha (its proof gives 2 alpha)",
-        ]
-        if "theorem 2.2" in self.units():
-            notes.append(
-                f"dom h has diameter {self.domain_diameter:g} (Theorem 2.2, with sqrt(2) L_lambda "
-                "whenever clipping may be active)"
-            )
-        return tuple(notes)
 
 
-def epsilon_by_epoch(
-    plan: CyclicDPSGDPlan, noise_multiplier: float, delta: float, epochs: Sequence[int]
-) -> dict[str, np.ndarray]:
-    """epsilon at ``delta`` after each number of epochs: the last-iterate bound and plain composition.
-
-    The curves of the paper's Figure 1, converted to ``(epsilon, delta)`` by dp_accounting's RDP accountant.
-    """
-    out = {"epochs": np.asarray(epochs, dtype=int), "last-iterate": [], "composition": []}
-    for epoch in out["epochs"]:
-        steps = _checks.count("epochs", int(epoch), minimum=1) * plan.steps_per_pass
-        for bound in ("last-iterate", "composition"):
-            run = replace(plan, steps=steps, bound=bound)
-            acc = Accountant(RDP.name, REPLACE_ONE)  # the bounds are RDP curves
-            acc.record_mechanism(run(noise_multiplier))
-            out[bound].append(acc.epsilon(delta))
-    return {k: np.asarray(v) for k, v in out.items()}
 
 
 __all__ = [
     "BOUNDS",
-    "CyclicDPSGDPlan",
-    "epsilon_by_epoch",
+    "check_settings",
     "l_lambda",
+    "passes_length",
+    "require_step",
+    "step_limit",
     "theorem_2_2_rho",
     "theorem_2_3_rho",
     "theta",

@@ -2,7 +2,7 @@
 BVR-L-SGD local steps.
 
 Privacy: record-level ``(epsilon, delta)``-DP with respect to each client's data under the plan's relation
-(:class:`dpvr.privacy.DIFF2Plan`), every round's release priced: restart rounds (clip ``C1``), difference
+(:class:`dpvr.algorithms.DIFF2Plan`), every round's release priced: restart rounds (clip ``C1``), difference
 rounds (radius ``C2 ||x_r - x_{r-1}||`` from released iterates only) and BVR-L-SGD's local steps.
 
 Theorem defaults (DIFF2 Theorem 4.3, from its proof; :mod:`dpvr.algorithms.theorems`): the restart period,
@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...privacy import DIFF2Plan
 from ...registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
 from ..theorems import (
     Derived,
@@ -30,6 +29,7 @@ from ..theorems import (
     radius,
     restart_period,
 )
+from .plan import DIFF2Plan
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius,
 from ...optim.gradients import ClippedGradients, accumulators, check_loss
 from ...optim.records import Records, as_records, records_fingerprint
 from ...optim.sampling import BatchSampler
-from ...privacy import events
+from .plan import DIFF2Plan
 
 ROUTINES = ("gd", "bvr-l-sgd")
 Shard = tuple[torch.Tensor, torch.Tensor]
@@ -315,8 +315,8 @@ class DIFF2(PrivateAlgorithm):
             check_loss(model, loss_fn, *shards[0].probe(1))
         # The relation asked for goes to the plan, which refuses add/remove: each client's mean divides by its
         # shard's size, private under add/remove.
-        neighbouring = privacy.neighbouring or events.DIFF2Plan.default_neighbouring()
-        plan = events.DIFF2Plan(
+        neighbouring = privacy.neighbouring or DIFF2Plan.default_neighbouring()
+        plan = DIFF2Plan(
             min(sizes), len(sizes), steps, restart, local_steps, local_batch, neighbouring=neighbouring
         )
         super().__init__(
@@ -369,7 +369,7 @@ class DIFF2(PrivateAlgorithm):
                      if reuse else self.gradients)
         self.transport = InProcessClients(shards, gradients, self.flat)
 
-    def _set_up_routine(self, plan: events.DIFF2Plan, sizes: Sequence[int], runtime: RuntimeConfig,
+    def _set_up_routine(self, plan: DIFF2Plan, sizes: Sequence[int], runtime: RuntimeConfig,
                         cap: float) -> None:
         """The routine's own state: none for GD, whose rounds read every record."""
         self.samplers: list[BatchSampler] = []
@@ -495,7 +495,7 @@ class DIFF2BVRLSGD(DIFF2):
         if optimizer is not None:
             raise ValueError("optimizer: BVR-L-SGD's local steps are SGD steps; use routine='gd' with one")
 
-    def _set_up_routine(self, plan: events.DIFF2Plan, sizes: Sequence[int], runtime: RuntimeConfig,
+    def _set_up_routine(self, plan: DIFF2Plan, sizes: Sequence[int], runtime: RuntimeConfig,
                         cap: float) -> None:
         """Each client's local sampler, the local radius and the local trajectory's iterate and estimator."""
         # A client's shard may be larger than the plan's n (the smallest): it then draws at a lower rate.

@@ -1,8 +1,8 @@
 """DP Double-SPIDER for psi-divergence DRO (the dual's eta and the model's x, each a refresh and a difference
 stream).
 
-Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.privacy.DoubleSpiderPlan`), the four
-streams accounted together in one accountant (the paper calibrates each to the whole budget); per-sample
+Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.algorithms.DoubleSpiderPlan`), the
+four streams accounted together in one accountant (the paper calibrates each to the whole budget); per-sample
 clipping everywhere (the paper's pseudocode clips the batch mean, which is not DP).
 
 Theorem defaults (DP-DRO Theorem 7; :mod:`dpvr.algorithms.theorems`): the period, the batch sizes and the
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...privacy import DoubleSpiderPlan
 from ...registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
 from .. import _help
 from ..theorems import Derived, Public, noise_constant, radius, spider_batch_sizes, spider_period_theorem7
+from .plan import DoubleSpiderPlan
 
 STREAMS = ("eta-refresh", "eta-difference", "x-refresh", "x-difference")
 

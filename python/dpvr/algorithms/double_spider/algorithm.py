@@ -12,15 +12,10 @@ from torch import Tensor, nn
 from ...optim.config import PrivacyConfig, RuntimeConfig
 from ...optim.estimator import DifferenceEstimator, global_norm
 from ...optim.records import Records
-from ...privacy import events
-from ...problems import (
-    Divergence,
-    LossFn,
-    dual_eta_grads,
-    dual_weights,
-)
+from ...problems import Divergence, LossFn, dual_eta_grads, dual_weights
 from ..spider import SpiderAlgorithm, require_positive
 from . import STREAMS
+from .plan import DoubleSpiderPlan
 
 
 class DoubleSpider(SpiderAlgorithm):
@@ -89,7 +84,7 @@ class DoubleSpider(SpiderAlgorithm):
         at most 1 (``(psi*)' >= 0``), so clipped at ``C1`` they lie in ``[-C1, min(1, C1)]``: replacing a
         record moves the sum by at most ``C1 + min(1, C1)``, twice the unit ``(C1 + min(1, C1)) / 2`` that
         the noise std ``z (C1 + min(1, C1)) / (2 b)`` is scaled to (``z C1 / b`` when ``C1 <= 1``). All four
-        streams are composed in one accountant as the plan :class:`dpvr.privacy.events.DoubleSpiderPlan`
+        streams are composed in one accountant as the plan :class:`dpvr.algorithms.DoubleSpiderPlan`
         describes, behind the budget guard. Assumptions: batches drawn as stated (seeded from the operating
         system unless ``runtime.sampler_seed``), ``x0`` and ``eta0`` independent of the data, a loss that is
         a function of one record.
@@ -101,7 +96,7 @@ class DoubleSpider(SpiderAlgorithm):
     """
 
     name = "Double-SPIDER"
-    plan_type = events.DoubleSpiderPlan
+    plan_type = DoubleSpiderPlan
     required_settings = (
         "divergence", "lam", "steps", "restart", "batch_sizes", "lr", "lr_eta", "max_move", "clip",
     )  # fmt: skip

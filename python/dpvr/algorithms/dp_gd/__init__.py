@@ -1,16 +1,16 @@
 """DP-GD: DP-SGD on the full batch every step.
 
 Privacy: ``(epsilon, delta)``-DP under the plan's neighbouring relation, for every released iterate: ``steps``
-full-batch Gaussian releases of the clipped gradient sum (:class:`dpvr.privacy.DPSGDPlan`, ``"full"``).
+full-batch Gaussian releases of the clipped gradient sum (:class:`dpvr.algorithms.DPSGDPlan`, ``"full"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...privacy import DPSGDPlan
 from ...registry import AlgorithmSpec, Argument, all_reduced, register, schema_arguments, setting
 from .. import _help
+from ..dp_sgd.plan import DPSGDPlan
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,16 @@
 """DP-SGD: clipped per-sample gradients plus Gaussian noise, one sampled batch per step.
 
-Privacy: ``(epsilon, delta)``-DP under the plan's neighbouring relation (:class:`dpvr.privacy.DPSGDPlan`), for
-every released iterate, given per-sample clipping and that the batches are drawn by the stated scheme.
+Privacy: ``(epsilon, delta)``-DP under the plan's neighbouring relation (:class:`dpvr.algorithms.DPSGDPlan`),
+for every released iterate, given per-sample clipping and that the batches are drawn by the stated scheme.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...privacy import DPSGDPlan
 from ...registry import AlgorithmSpec, Argument, all_reduced, register, schema_arguments, setting
 from .. import _help
+from .plan import DPSGDPlan
 
 _SAMPLING = ("poisson", "wor", "full", "random-allocation")
 

@@ -21,8 +21,9 @@ from ...optim.guard import BudgetExhaustedError, resolve_noise
 from ...optim.ledger import Release
 from ...optim.records import Records, as_records
 from ...optim.sampling import BatchSampler
-from ...privacy import Accountant, events
-from ...privacy.last_iterate import CyclicDPSGDPlan
+from ...privacy import Accountant
+from ..last_iterate.plan import CyclicDPSGDPlan
+from .plan import AdaptiveClipDPSGDPlan, DPSGDPlan
 
 
 class DPSGD(PrivateAlgorithm):
@@ -56,8 +57,8 @@ class DPSGD(PrivateAlgorithm):
       ``z_g = (z^-2 - (2 count_noise)^-2)^-1/2`` so that each step costs exactly one release at ``z`` (the
       given or calibrated noise). ``self.noise`` holds both streams, ``"gradient"`` (``z_g``) and
       ``"clip-count"`` (``2 count_noise``), and the accountant records their group per step
-      (:class:`~dpvr.privacy.events.AdaptiveClipDPSGDPlan`). The radius is in the checkpoints; each step's
-      info has ``clip`` (the radius it used) and ``unclipped`` (the released fraction ``b_t``), both
+      (:class:`~dpvr.algorithms.dp_sgd.plan.AdaptiveClipDPSGDPlan`). The radius is in the checkpoints; each
+      step's info has ``clip`` (the radius it used) and ``unclipped`` (the released fraction ``b_t``), both
       functions of releases.
 
     What shapes a release is public under the relation in force. Under add/remove the dataset size ``n``
@@ -199,7 +200,7 @@ class DPSGD(PrivateAlgorithm):
         # stated one under add/remove (where len(records) is private).
         n = len(records)
         neighbouring, public = privacy.relation_and_size(
-            n, default=events.DPSGDPlan.default_neighbouring(sampling), sampling=sampling
+            n, default=DPSGDPlan.default_neighbouring(sampling), sampling=sampling
         )
         plan = self._plan(
             sampling, n, public, neighbouring, runtime.sampler_seed, steps=steps, batch_size=batch_size,
@@ -234,7 +235,7 @@ class DPSGD(PrivateAlgorithm):
         release per step, at the sampling rate of the public size ``public``."""
         if prox is not None:
             raise ValueError("prox: only the cyclic last-iterate algorithm takes a proximal term")
-        plan = events.DPSGDPlan(
+        plan = DPSGDPlan(
             steps=steps,
             sampling=sampling,
             batch_size=n if sampling == "full" else batch_size,
@@ -245,9 +246,9 @@ class DPSGD(PrivateAlgorithm):
         return plan
 
     def _adaptive_plan(
-        self, plan: events.DPSGDPlan, noise: Any, privacy: PrivacyConfig, clip: Any, *,
+        self, plan: DPSGDPlan, noise: Any, privacy: PrivacyConfig, clip: Any, *,
         target_quantile: float | None, clip_lr: float | None, count_noise: float | None,
-    ) -> tuple[events.AdaptiveClipDPSGDPlan, dict[str, float]]:  # fmt: skip
+    ) -> tuple[AdaptiveClipDPSGDPlan, dict[str, float]]:  # fmt: skip
         """Adaptive clipping's plan and the two streams' multipliers; sets ``self.adaptive`` (the radius's
         state). The user's z (or the one calibrated for the plain plan) is what the pair of releases costs
         per step; the gradient's multiplier is raised to make room for the count's
@@ -259,8 +260,8 @@ class DPSGD(PrivateAlgorithm):
         self.adaptive = AdaptiveRadius(float(clip), 0.5 if target_quantile is None else target_quantile,
                                        0.2 if clip_lr is None else clip_lr, sigma_b)
         z_g, z_b = split_noise(z, self.adaptive.count_noise)
-        plan = events.AdaptiveClipDPSGDPlan(**{f.name: getattr(plan, f.name)
-                                               for f in dataclasses.fields(events.DPSGDPlan)})
+        plan = AdaptiveClipDPSGDPlan(**{f.name: getattr(plan, f.name)
+                                               for f in dataclasses.fields(DPSGDPlan)})
         return plan, {"gradient": z_g, "clip-count": z_b}
 
     def _init_state(

@@ -1,6 +1,6 @@
 """DP-SGDA: noisy stochastic gradient descent-ascent for minimax problems (an x and a y stream).
 
-Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.privacy.DPSGDAPlan`) for every
+Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.algorithms.DPSGDAPlan`) for every
 released x and y, both streams clipped per sample and accounted together.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...privacy import DPSGDAPlan
 from ...registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
 from .. import _help
+from .plan import DPSGDAPlan
 
 _SAMPLING = ("wor", "poisson", "full")
 

@@ -11,11 +11,9 @@ from torch import Tensor, nn
 from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, step_size
 from ...optim.records import Records, as_records
-from ...privacy import events
 from ...problems import MinimaxProblem
-from ..minimax import (
-    MinimaxAlgorithm,
-)
+from ..minimax import MinimaxAlgorithm
+from .plan import DPSGDAPlan
 
 
 class DPSGDA(MinimaxAlgorithm):
@@ -60,7 +58,7 @@ class DPSGDA(MinimaxAlgorithm):
     Guarantee:
         Replace-one neighbours: each block's clipped mean moves by at most ``2C/b`` when one record is
         replaced, so the step is a Gaussian release of the pair on one sampled batch; it is accounted as the
-        plan :class:`dpvr.privacy.events.DPSGDAPlan` (shared batch) describes, step by step, with the budget
+        plan :class:`dpvr.algorithms.DPSGDAPlan` (shared batch) describes, step by step, with the budget
         guard: a step that would exceed ``privacy.epsilon`` raises before anything is released. Assumptions:
         the batches are drawn as stated (the sampler is seeded from the operating system unless
         ``runtime.sampler_seed`` is given), ``y0`` does not depend on the private data.
@@ -99,7 +97,7 @@ class DPSGDA(MinimaxAlgorithm):
         units = {"y": clip["y"] / clip["x"]}  # shares="auto": y's noise is relative to C2, x's to C1
         records = as_records(inputs, targets)
         n = len(records)
-        plan = events.DPSGDAPlan(n, n if sampling == "full" else batch_size, steps, sampling)
+        plan = DPSGDAPlan(n, n if sampling == "full" else batch_size, steps, sampling)
         super().__init__(
             model, problem, records, plan=plan, lr=lr, lr_y=lr_y, steps=steps, clip=clip, optimizer=optimizer,
             y0=y0, noise=noise, privacy=privacy, runtime=runtime, settings=settings, units=units,

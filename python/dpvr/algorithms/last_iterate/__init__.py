@@ -2,7 +2,7 @@
 last iterate.
 
 Privacy: ``(epsilon, delta)``-DP for the last iterate only, under replace-one
-(:class:`dpvr.privacy.last_iterate.CyclicDPSGDPlan`): Theorem 2.3 with its stated constant (or Theorem 2.2
+(:class:`dpvr.algorithms.CyclicDPSGDPlan`): Theorem 2.3 with its stated constant (or Theorem 2.2
 with ``sqrt(2) L_lambda`` where clipping may be active), or the composition of the passes, or the smaller;
 the step sizes the theorems do not cover are refused.
 """
@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...privacy import CyclicDPSGDPlan
 from ...registry import AlgorithmSpec, Sigma, all_reduced, register, schema_arguments, setting
+from .plan import CyclicDPSGDPlan
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,19 @@
 """Phased output perturbation (bring your own algorithm): any base solver accurate enough, made DP by noise on
 each phase's output (SC, C, SC-SC, C-C and C-SC settings).
 
-Privacy: ``(epsilon, delta + failure_probability)``-DP under replace-one (:class:`dpvr.privacy.PhasedPlan`),
-resting on the base solver's accuracy: dpvr requires a certificate and fails loudly when it is not reached.
-``make_private`` does not run it (the phases call the user's own solver), so it states no data parallelism.
+Privacy: ``(epsilon, delta + failure_probability)``-DP under replace-one
+(:class:`dpvr.algorithms.PhasedPlan`), resting on the base solver's accuracy: dpvr requires a certificate and
+fails loudly when it is not reached. ``make_private`` does not run it (the phases call the user's own
+solver), so it states no data parallelism.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...privacy import PhasedPlan
 from ...registry import AlgorithmSpec, Sigma, register, schema_arguments
 from ...registry import setting as declare  # a field of the schema is itself named setting
+from .plan import PhasedPlan
 
 
 @dataclass(frozen=True)

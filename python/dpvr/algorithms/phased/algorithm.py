@@ -74,9 +74,10 @@ from ...ops import NoiseGenerator, check_nonfinite
 from ...optim.binding import bind_run, canonical, digest
 from ...optim.config import PrivacyConfig, RuntimeConfig
 from ...optim.guard import Guarded, PrivacyGuard, tightest_accountant
-from ...privacy import Accountant, PhasedPlan, account, output_perturbation_multiplier
+from ...privacy import Accountant, account, output_perturbation_multiplier
 from ...privacy.mechanism import noise_dict
 from ...problems import FiniteSumProblem, check_problem
+from .plan import PhasedPlan
 from .problem import BaseSolver, CertificateError, PhaseProblem, split_rows
 from .solvers import KatyushaSolver, VRExtragradientSolver
 

@@ -1,8 +1,8 @@
 """PrivateDiff Minimax (Zhang et al., nonconvex-strongly-concave): checkpoint and difference rounds on x, and
 a privatised y (noisy clipped ascent, or the paper's output perturbation priced at a worst-case sensitivity).
 
-Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.privacy.PrivateDiffPlan`) for every
-released x and y: the ascent output ``y_{r+1}`` is released privately before the x-gradients read it.
+Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.algorithms.PrivateDiffPlan`) for
+every released x and y: the ascent output ``y_{r+1}`` is released privately before the x-gradients read it.
 
 Theorem defaults (PrivateDiff Theorem 6, from its proof; :mod:`dpvr.algorithms.theorems`): the checkpoint
 period, the ascent steps, the step size and the number of rounds. Data parallelism: the ascent release only
@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...privacy import PrivateDiffPlan
 from ...registry import AlgorithmSpec, Sigma, register, schema_arguments, setting
 from .. import _help
 from ..theorems import (
@@ -31,6 +30,7 @@ from ..theorems import (
     radius,
     restart_period,
 )
+from .plan import PrivateDiffPlan
 
 _SAMPLING = ("wor", "poisson", "full")
 

@@ -17,9 +17,9 @@ from ...optim.base import variant_class
 from ...optim.config import PrivacyConfig, RuntimeConfig, stream_clips
 from ...optim.estimator import ClippedSum, DifferenceEstimator, Iterate, Radius, release, step_size
 from ...optim.records import Records, as_records
-from ...privacy import events
 from ...problems import MinimaxProblem
 from ..minimax import MinimaxAlgorithm
+from .plan import PrivateDiffPlan
 from .rounding import _FLOOR, YRounding, _pairwise_sum
 
 Y_RELEASES = ("ascent", "output")  # how PrivateDiff makes y private: its class, then (PrivateDiffOutputY)
@@ -114,7 +114,7 @@ class PrivateDiff(MinimaxAlgorithm):
         ``y`` is released as above. ``C_r`` depends on released iterates only and the noise std scales with
         it, so each x-round is a sampled Gaussian release of fixed noise multiplier (Lemma 8: sensitivity
         ``2C/m``). All three streams are recorded in one accountant as they happen, behind the budget guard
-        (the plan :class:`dpvr.privacy.events.PrivateDiffPlan` with the same ``y_release``). Assumptions:
+        (the plan :class:`dpvr.algorithms.PrivateDiffPlan` with the same ``y_release``). Assumptions:
         batches drawn as stated (seeded from the operating system unless ``runtime.sampler_seed`` is given);
         ``y0`` does not depend on the private data; with ``y_release="output"``, replace-one neighbours (the
         plan's relation).
@@ -168,7 +168,7 @@ class PrivateDiff(MinimaxAlgorithm):
         lr_y = self._prepare_y(problem, model, n, lr_y, y_tolerance)
         # shares="auto": the y noise is relative to Delta (output) or C0 (ascent), the x noise to C1
         units = {"y": self._y_unit(clip) / clip["checkpoint"]}
-        plan = events.PrivateDiffPlan(
+        plan = PrivateDiffPlan(
             n, n if sampling == "full" else batch_size, steps, restart, y_steps, sampling, y_release=y_release
         )
         super().__init__(
@@ -329,7 +329,7 @@ class PrivateDiffOutputY(PrivateDiff):
     Guarantee:
         One unsampled Gaussian release of stream ``"y"`` per round with replace-one sensitivity ``Delta``
         (above), and :class:`PrivateDiff`'s x-releases, all in one accountant behind the budget guard (the
-        plan :class:`dpvr.privacy.events.PrivateDiffPlan` with ``y_release="output"``). Assumptions:
+        plan :class:`dpvr.algorithms.PrivateDiffPlan` with ``y_release="output"``). Assumptions:
         :class:`PrivateDiff`'s, replace-one neighbours, and the problem's public constants
         (:meth:`~dpvr.problems.MinimaxProblem.y_sensitivity`, ``y_lipschitz``) holding.
     """

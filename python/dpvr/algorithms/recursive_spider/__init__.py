@@ -1,7 +1,7 @@
 """DP Recursive-SPIDER for KL-DRO in its compositional form (v, u and s streams), as intended rather than as
 printed (accumulated estimators, lambda projected onto [lambda0, inf), s clamped to a public floor).
 
-Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.privacy.RecursiveSpiderPlan`), the
+Privacy: ``(epsilon, delta)``-DP under the plan's relation (:class:`dpvr.algorithms.RecursiveSpiderPlan`), the
 five streams accounted together in one accountant.
 
 Theorem defaults (DP-DRO Theorem 8; :mod:`dpvr.algorithms.theorems`): the period, the batch sizes and the
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...privacy import RecursiveSpiderPlan
 from ...registry import AlgorithmSpec, Argument, all_reduced, floats, register, schema_arguments, setting
 from .. import _help
 from ..theorems import Derived, Public, noise_constant, radius, spider_batch_sizes
+from .plan import RecursiveSpiderPlan
 
 STREAMS = ("v-refresh", "v-difference", "u-refresh", "u-difference", "s")
 

@@ -12,15 +12,10 @@ from torch import Tensor, nn
 from ...optim.config import PrivacyConfig, RuntimeConfig
 from ...optim.estimator import ClippedSum, DifferenceEstimator, release
 from ...optim.records import Records
-from ...privacy import events
-from ...problems import (
-    LossFn,
-    inner_lambda_grads,
-    inner_values,
-    inner_x_weights,
-)
+from ...problems import LossFn, inner_lambda_grads, inner_values, inner_x_weights
 from ..spider import SpiderAlgorithm, require_positive
 from . import STREAMS
+from .plan import RecursiveSpiderPlan
 
 
 class RecursiveSpider(SpiderAlgorithm):
@@ -88,7 +83,7 @@ class RecursiveSpider(SpiderAlgorithm):
         value contributes 0), so replacing that record moves it by at most ``(2 - beta) C5``: the
         replace-one sensitivity, which is twice dpvr's unit, so the unit is ``(2 - beta) C5 / 2`` and the
         noise std ``z_s (2 - beta) C5 / 2``. Radii depend on released iterates only; the five streams are
-        composed in one accountant as the plan :class:`dpvr.privacy.events.RecursiveSpiderPlan` describes,
+        composed in one accountant as the plan :class:`dpvr.algorithms.RecursiveSpiderPlan` describes,
         behind the budget guard. Assumptions: batches as stated, ``x0``, ``lam0``, ``lam_init``, ``s0``,
         ``B`` and ``s_floor`` independent of the data.
 
@@ -110,7 +105,7 @@ class RecursiveSpider(SpiderAlgorithm):
     """
 
     name = "Recursive-SPIDER"
-    plan_type = events.RecursiveSpiderPlan
+    plan_type = RecursiveSpiderPlan
     required_settings = (
         "rho", "lam0", "steps", "restart", "batch_sizes", "lr", "lr_lam", "beta", "loss_bound", "clip",
     )  # fmt: skip
