@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar, Union
 import torch
 from torch import Tensor, nn
 
+from ... import ops
 from . import cost
 
 # Widened entries per block of a materialised part's clipped sum on the host (Dense.total): small enough to
@@ -285,17 +286,21 @@ class Dense:
 
         On the host, when ``u`` must be widened, the columns are widened and summed a block at a time
         (:data:`DENSE_BLOCK_BYTES` of widened entries): the same ``(1, B) @ (B, c)`` product per column
-        (``tests/grads/test_dense_total.py`` checks the result bit for bit against one product), without
-        a widened copy of the whole ``(B, P)`` matrix. That copy, written to fresh pages and read back,
-        cost a quarter of GPT-2 14M's DP-SGD step at T = 128 (materialised maps, B = 8)."""
+        (``tests/grads/test_dense_total.py`` checks the result bit for bit against one product, at one and
+        two threads), without a widened copy of the whole ``(B, P)`` matrix. That copy, written to fresh
+        pages and read back, cost a quarter of GPT-2 14M's DP-SGD step at T = 128 (materialised maps,
+        B = 8)."""
         flat = self.u.reshape(self.u.shape[0], -1)
         if flat.dtype == f.dtype or flat.device.type != "cpu":
             return (f @ flat.to(f.dtype)).reshape(shape)
         out = torch.empty(flat.shape[1], dtype=f.dtype, device=flat.device)
         width = max(DENSE_BLOCK_BYTES // (flat.shape[0] * f.element_size()) // 64 * 64, 64)
         row = f.unsqueeze(0)
-        for j in range(0, flat.shape[1], width):
-            torch.mm(row, flat[:, j:j + width].to(f.dtype), out=out[j:j + width].unsqueeze(0))
+        # One thread: each block is too small to share, and on a busy host a team waiting for a descheduled
+        # thread at every block made the loop six times slower than the whole-matrix product it replaces.
+        with ops.torch_threads(1):
+            for j in range(0, flat.shape[1], width):
+                torch.mm(row, flat[:, j:j + width].to(f.dtype), out=out[j:j + width].unsqueeze(0))
         return out.reshape(shape)
 
     def drop(self, bad: Tensor) -> Dense:
