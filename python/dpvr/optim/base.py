@@ -109,6 +109,9 @@ class PrivateAlgorithm(Guarded):
     #: against them (:func:`~dpvr.optim.config.stream_clips`), ``make_private`` shows them as an example.
     clip_streams: tuple[str, ...] = ()
     clip_pairs: tuple[str, ...] = ()
+    #: Whether only the final iterate is released (and accounted), so that no intermediate iterate may be
+    #: shown to anyone: ``make_private``'s trainer refuses callbacks before the last step.
+    releases_last_iterate_only: bool = False
 
     def __init__(
         self,

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from .. import algorithms, registry
-from ..algorithms import LastIterateDPSGD
 from ..optim import PrivacyConfig, PrivateAlgorithm, RuntimeConfig
 from ..optim.guard import EveryStream
 from ..optim.sampling import steps_per_epoch
@@ -564,7 +563,7 @@ class PrivateTrainer:
     @property
     def last_iterate_only(self) -> bool:
         """Whether the algorithm releases only its last iterate (the last-iterate bound)."""
-        return isinstance(self.algorithm, LastIterateDPSGD)
+        return self.algorithm.releases_last_iterate_only
 
     @property
     def released(self) -> bool:

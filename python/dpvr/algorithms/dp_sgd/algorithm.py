@@ -369,6 +369,8 @@ class LastIterateDPSGD(DPSGD):
     iterate).
     """
 
+    releases_last_iterate_only = True
+
     def __init__(self, *args: Any, sampling: str = "cyclic", **kwargs: Any) -> None:
         super().__init__(*args, sampling=sampling, **kwargs)
 
