@@ -20,12 +20,12 @@ import statistics
 import torch
 from scipy import stats
 
+from dpvr.algorithms import DIFF2, PrivateDiff, PrivateDiffPlan
 from dpvr.data import PublicScaling, load, split_clients, split_public
 from dpvr.objectives import AUCMargin
 from dpvr.ops import NoiseGenerator
 from dpvr.optim import PrivacyConfig, RuntimeConfig
-from dpvr.algorithms import DIFF2, PrivateDiff
-from dpvr.privacy import calibrate, events
+from dpvr.privacy import calibrate
 from dpvr.privacy.allocation import stream_dimensions
 from dpvr_lab.experiments import auc
 
@@ -62,7 +62,7 @@ def privatediff_auc(
     model = copy.deepcopy(auc._model(data.train[0].shape[1], seed))
     n, batch = len(data.train[0]), 256
     steps = epochs * max(1, n // batch)
-    plan = events.PrivateDiffPlan(n, batch, steps, auc.RESTART, auc.Y_STEPS)
+    plan = PrivateDiffPlan(n, batch, steps, auc.RESTART, auc.Y_STEPS)
     parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # The algorithm would pass these shapes itself; the dimensions are public (model and problem shapes).
     noise = calibrate(

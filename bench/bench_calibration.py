@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from opacus.accountants.utils import get_noise_multiplier
 
-from dpvr.privacy import DoubleSpiderPlan, DPSGDPlan, account, calibrate
+from dpvr.algorithms import DoubleSpiderPlan, DPSGDPlan
+from dpvr.privacy import account, calibrate
 
 EPSILON, DELTA, STEPS = 2.0, 1e-5, 10_000
 

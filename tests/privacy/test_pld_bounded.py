@@ -56,7 +56,8 @@ def test_low_noise_runs_are_answered_with_bounded_memory():
     out = _bounded(
         """
         import json
-        from dpvr.privacy import Accountant, DPSGDPlan, calibrate
+        from dpvr.algorithms import DPSGDPlan
+        from dpvr.privacy import Accountant, calibrate
         from dpvr.privacy.random_allocation import RandomAllocationDpEvent
         import dp_accounting as dpa
         out = {}
