@@ -138,3 +138,21 @@ def test_pooled_sum_still_held_is_never_overwritten(monkeypatch):
     del view, second
     third = clipper.clipped_sum(x, y, 1.0, wide=True).sums
     assert torch.equal(third[0].view(-1), kept)  # recomputed, into a buffer now free again
+
+
+def test_copies_leave_the_pooled_buffers_behind(monkeypatch):
+    import copy
+
+    from dpvr.grads.ghost import clipper as module
+
+    monkeypatch.setattr(module, "POOLED_BYTES", 0)
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 2))
+    clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
+    x, y = torch.randn(8, 12), torch.randint(0, 2, (8,))
+    want = clipper.clipped_sum(x, y, 1.0, wide=True).sums
+    assert clipper._pool
+    twin = copy.deepcopy(clipper)
+    assert twin._pool == {} and clipper._pool
+    got = twin.clipped_sum(x, y, 1.0, wide=True).sums
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

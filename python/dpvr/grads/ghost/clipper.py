@@ -309,6 +309,13 @@ class GhostClipper:
         self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
         self._pool: dict[int, Tensor] = {}  # entries -> a float64 buffer for large clipped sums (_pooled)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the kept sum buffers behind (:meth:`_pooled`): they hold no state, only
+        memory, and a copy sharing them could write into a sum the original still holds."""
+        state = self.__dict__.copy()
+        state["_pool"] = {}
+        return state
+
     def _track(self, model: nn.Module) -> list[_Layer]:
         """The modules that own trainable parameters, each with its rule (the fallback when none applies)."""
         found: list[tuple[str, nn.Module, list[tuple[str, int]], type[GhostRule] | None, bool]] = []
