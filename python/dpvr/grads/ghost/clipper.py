@@ -898,9 +898,9 @@ class GhostClipper:
 
         Why: the C library maps a buffer of :data:`POOLED_BYTES` or more afresh at every allocation and
         unmaps it when freed, so every step's float64 sum of a large linear map was written to new pages,
-        one page fault each (about a third of the wide MLP's 64 MiB float64 sum, 47 of 178 ms). A buffer is
-        kept per size and written again only when nothing outside the pool refers to its memory (the
-        caller has dropped the previous sum and every view of it), so a sum still held is never
+        one page fault each: a quarter of the time of the wide MLP's 64 MiB float64 sum (47 of 178 ms). A
+        buffer is kept per size and written again only when nothing outside the pool refers to its memory
+        (the caller has dropped the previous sum and every view of it), so a sum still held is never
         overwritten. Between steps the pool holds one such buffer per size."""
         if numel * 8 < POOLED_BYTES or _storage_uses is None:
             return None
