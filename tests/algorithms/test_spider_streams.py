@@ -10,19 +10,7 @@ import dpvr
 from dpvr.algorithms import DoubleSpider, RecursiveSpider
 from dpvr.objectives.dro import cross_entropy
 from dpvr.optim import RuntimeConfig
-
-TINY = 1e-100  # noise this small vanishes in float64 rounding
-
-
-def gen(seed=0):
-    return dpvr.NoiseGenerator(seed=seed, reproducible=True)
-
-
-def data(n=12, d=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    return x, (x.sum(1) > 0).to(torch.float64)
-
+from toys import TINY, data, gen
 
 # ---- 2. per-stream settings are keyed by stream name ------------------------------------------------------
 

@@ -7,31 +7,9 @@ import math
 import pytest
 import torch
 
-import dpvr
 from dpvr.algorithms import DPGD, DPSGD
 from dpvr.optim import PrivacyConfig, RuntimeConfig
-
-TINY = 1e-100  # noise this small vanishes in float64 rounding
-
-
-def gen(seed=0):
-    return dpvr.NoiseGenerator(seed=seed, reproducible=True)
-
-
-def data(n=12, d=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    return x, (x.sum(1) > 0).to(torch.float64)
-
-
-def linear(d=4):
-    torch.manual_seed(3)
-    return torch.nn.Linear(d, 1).double()
-
-
-def logistic(output, target):
-    return torch.nn.functional.binary_cross_entropy_with_logits(output.squeeze(-1), target)
-
+from toys import TINY, data, gen, linear, logistic
 
 # ---- 3. normalisers are public under the relation in force -----------------------------------------------
 

@@ -8,35 +8,12 @@ import math
 import pytest
 import torch
 from scipy import stats
-from torch import nn
 
 from dpvr.algorithms import DPGD
 from dpvr.tuning import TrialCount, tune
+from tests.tuning.toy_task import X, Y, fresh_model, held_out, logistic
 
 DELTA = 1e-5
-
-
-def logistic(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.binary_cross_entropy_with_logits(output.squeeze(-1), target)
-
-
-def _data(seed: int, n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    return x, (x[:, 0] > 0).double()
-
-
-X, Y = _data(0)
-XV, YV = _data(1)
-
-
-def _fresh() -> nn.Module:
-    return nn.Linear(3, 1).double()
-
-
-def _held_out(alg) -> float:
-    with torch.no_grad():
-        return -float(logistic(alg.model(XV), YV))
 
 
 def _counting(runs: list[int]):
@@ -78,14 +55,14 @@ def test_constant_time_runs_max_trials_whatever_k_is_and_charges_the_cap(seed: i
 
     def build(lr, privacy):
         torch.manual_seed(0)
-        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=1, privacy=privacy)
+        return DPGD(fresh_model(), logistic, X, Y, lr=lr, clip=1.0, steps=1, privacy=privacy)
 
     result = tune(
         build,
         [0.1, 1.0],
         epsilon=2.0,
         delta=DELTA,
-        score=_held_out,
+        score=held_out,
         trials_mean=2,
         distribution="poisson",
         seed=seed,
@@ -108,7 +85,7 @@ def test_constant_time_runs_max_trials_whatever_k_is_and_charges_the_cap(seed: i
 
 def test_constant_time_refuses_a_cap_whose_tail_exceeds_delta_and_picks_one_by_default() -> None:
     def build(lr, privacy):
-        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=1, privacy=privacy)
+        return DPGD(fresh_model(), logistic, X, Y, lr=lr, clip=1.0, steps=1, privacy=privacy)
 
     with pytest.raises(ValueError, match="max_trials"):
         tune(
@@ -116,7 +93,7 @@ def test_constant_time_refuses_a_cap_whose_tail_exceeds_delta_and_picks_one_by_d
             [0.1],
             epsilon=1.0,
             delta=DELTA,
-            score=_held_out,
+            score=held_out,
             trials_mean=2,
             distribution="poisson",
             seed=0,
@@ -125,14 +102,14 @@ def test_constant_time_refuses_a_cap_whose_tail_exceeds_delta_and_picks_one_by_d
             max_trials=3,
         )
     with pytest.raises(ValueError, match="constant_time"):
-        tune(build, [0.1], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=2, seed=0, max_trials=3)
+        tune(build, [0.1], epsilon=1.0, delta=DELTA, score=held_out, trials_mean=2, seed=0, max_trials=3)
     runs: list[int] = []
     result = tune(
         build,
         [0.1],
         epsilon=1.0,
         delta=DELTA,
-        score=_held_out,
+        score=held_out,
         trials_mean=2,
         distribution="poisson",
         seed=0,

@@ -17,36 +17,14 @@ from dpvr.ops import NoiseGenerator
 from dpvr.optim import RuntimeConfig
 from dpvr.tuning import TrialCount, tune
 from dpvr.tuning.independence import Independence
+from tests.tuning.toy_task import X, Y, fresh_model, held_out, logistic
 
 DELTA = 1e-5
 
 
-def logistic(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.binary_cross_entropy_with_logits(output.squeeze(-1), target)
-
-
-def _data(seed: int, n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    return x, (x[:, 0] > 0).double()
-
-
-X, Y = _data(0)
-XV, YV = _data(1)
-
-
-def _fresh() -> nn.Module:
-    return nn.Linear(3, 1).double()
-
-
-def _held_out(alg) -> float:
-    with torch.no_grad():
-        return -float(logistic(alg.model(XV), YV))
-
-
 def _tune(build, candidates, *, mean, seed, runs):
     """``tune`` at epsilon 1 on the held-out score, counting the trials that ran into ``runs``."""
-    return tune(build, candidates, epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=mean, seed=seed,
+    return tune(build, candidates, epsilon=1.0, delta=DELTA, score=held_out, trials_mean=mean, seed=seed,
                 reproducible=True, train=_counting(runs))  # fmt: skip
 
 
@@ -65,7 +43,7 @@ def test_a_build_that_closes_over_one_model_is_refused_before_any_trial_runs() -
     """The reviewed bug: every trial trained the same model, so the released "best" trial was the last of
     K chained runs. tune() refuses such a build before a single trial touches the data."""
     torch.manual_seed(0)
-    shared = _fresh()
+    shared = fresh_model()
     runs: list[int] = []
 
     def build(lr, privacy):
@@ -84,7 +62,8 @@ def test_a_per_candidate_cache_of_models_is_refused_before_any_trial_runs() -> N
 
     def build(lr, privacy):
         torch.manual_seed(0)
-        return DPGD(cache.setdefault(lr, _fresh()), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
+        model = cache.setdefault(lr, fresh_model())
+        return DPGD(model, logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
 
     with pytest.raises(ValueError, match=r"a second build of candidate 0.1 shares its model with the build"):
         _tune(build, [0.1, 1.0], mean=4, seed=0, runs=runs)
@@ -95,7 +74,7 @@ def test_a_trial_that_reuses_an_earlier_trials_model_is_refused_before_it_runs()
     """Independent at the probes, chained later: a pool of three models handed out in turn. The fourth trial
     gets the first trial's (trained) model and is refused before it runs."""
     torch.manual_seed(0)
-    pool = [_fresh() for _ in range(3)]
+    pool = [fresh_model() for _ in range(3)]
     calls = itertools.count()
     runs: list[int] = []
 
@@ -114,29 +93,29 @@ def test_shared_optimizer_noise_generator_or_buffer_is_refused() -> None:
     optimizer = torch.optim.SGD([dummy], lr=0.1)
 
     def with_optimizer(clip, privacy):
-        model = _fresh()
+        model = fresh_model()
         optimizer.param_groups[0]["params"] = list(model.parameters())
         return DPGD(model, logistic, X, Y, clip=clip, steps=2, optimizer=optimizer, privacy=privacy)
 
     with pytest.raises(ValueError, match="shares its optimizer"):
-        tune(with_optimizer, [0.5, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3,
+        tune(with_optimizer, [0.5, 1.0], epsilon=1.0, delta=DELTA, score=held_out, trials_mean=3,
              seed=0, reproducible=True)
 
     runtime = RuntimeConfig(generator=NoiseGenerator(5, reproducible=True))
 
     def with_generator(lr, privacy):
-        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy, runtime=runtime)
+        return DPGD(fresh_model(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy, runtime=runtime)
 
     with pytest.raises(ValueError, match="noise generator"):
-        tune(with_generator, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3,
+        tune(with_generator, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=held_out, trials_mean=3,
              seed=0, reproducible=True)
 
     def same_seed(lr, privacy):
         noise = RuntimeConfig(generator=NoiseGenerator(5, reproducible=True))
-        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy, runtime=noise)
+        return DPGD(fresh_model(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy, runtime=noise)
 
     with pytest.raises(ValueError, match="noise seed"):
-        tune(same_seed, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3,
+        tune(same_seed, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=held_out, trials_mean=3,
              seed=0, reproducible=True)
 
     scale = torch.ones(1, dtype=torch.float64)
@@ -144,7 +123,7 @@ def test_shared_optimizer_noise_generator_or_buffer_is_refused() -> None:
     class Scaled(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = _fresh()
+            self.linear = fresh_model()
             self.register_buffer("scale", scale)  # one tensor for every model
 
         def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -154,7 +133,7 @@ def test_shared_optimizer_noise_generator_or_buffer_is_refused() -> None:
         return DPGD(Scaled(), logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
 
     with pytest.raises(ValueError, match="buffer 'scale'"):
-        tune(with_buffer, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3,
+        tune(with_buffer, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=held_out, trials_mean=3,
              seed=0, reproducible=True)
 
 
@@ -164,19 +143,19 @@ def test_a_parameter_over_shared_storage_or_carried_optimizer_state_is_refused()
     weight = torch.zeros(1, 3, dtype=torch.float64)
 
     def rewrapped(lr, privacy):
-        model = _fresh()
+        model = fresh_model()
         model.weight = nn.Parameter(weight)  # a new Parameter object, the same storage
         return DPGD(model, logistic, X, Y, lr=lr, clip=1.0, steps=2, privacy=privacy)
 
     with pytest.raises(ValueError, match=r"shares parameter 'weight' with the build of candidate 0.1"):
-        tune(rewrapped, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=_held_out, trials_mean=3,
+        tune(rewrapped, [0.1, 1.0], epsilon=1.0, delta=DELTA, score=held_out, trials_mean=3,
              seed=0, reproducible=True)
 
     optimizers: list[torch.optim.Optimizer] = []
     runs: list[int] = []
 
     def warm_started(clip, privacy):
-        model = _fresh()
+        model = fresh_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
         if optimizers:
             optimizer.load_state_dict(optimizers[-1].state_dict())  # keeps the earlier state's tensors
@@ -197,7 +176,7 @@ def test_storage_left_by_a_finished_trial_is_recognised_after_its_tensors_are_go
     tracker = Independence()
 
     def trial(weight: torch.Tensor | None) -> DPGD:
-        model = _fresh()
+        model = fresh_model()
         if weight is not None:
             model.weight = nn.Parameter(weight)
         return DPGD(model, logistic, X, Y, lr=1.0, clip=1.0, steps=2, noise=1.0)
@@ -227,14 +206,14 @@ def test_independent_trials_pass_and_the_released_model_is_the_best_trials_own()
 
     def build(lr, privacy):
         torch.manual_seed(0)
-        return DPGD(_fresh(), logistic, X, Y, lr=lr, clip=1.0, steps=3, privacy=privacy)
+        return DPGD(fresh_model(), logistic, X, Y, lr=lr, clip=1.0, steps=3, privacy=privacy)
 
     def train(alg) -> None:
         alg.run()
         after_run[id(alg)] = [p.detach().clone() for p in alg.model.parameters()]
 
     result = tune(
-        build, [0.05, 0.5, 2.0], epsilon=2.0, delta=DELTA, score=_held_out, trials_mean=6, train=train,
+        build, [0.05, 0.5, 2.0], epsilon=2.0, delta=DELTA, score=held_out, trials_mean=6, train=train,
         seed=1, reproducible=True
     )
     assert result.trials_drawn >= 2
