@@ -85,6 +85,34 @@ def test_the_diff2_round_reuses_its_recording() -> None:
     assert forwards == {"dpvr-diff2-ghost": 2, "dpvr-diff2-ghost-recompute": 4}
 
 
+@pytest.mark.parametrize("case", ["mlp", "gpt2"])
+def test_bare_and_make_private_steps_are_timed_on_batches_of_the_case_size(case: str) -> None:
+    """The bare ``DPSGD`` and ``make_private`` columns time steps on B records, as every other column does
+    (on Poisson batches their steps had 8, 13 and 11 records against B = 8), and on the same records step
+    for step in both, so that ``ratio_vs_bare`` compares one work. Counted by the model's forward: one
+    recording per step, whose input holds the step's batch."""
+    import copy
+    import warnings
+
+    import torch
+
+    bench = step.make_case(case, batch=4)
+    seen: dict[str, list] = {}
+    for method, build in (("make-private", step._make_private), ("bare", step._bare_dp_sgd)):
+        model = copy.deepcopy(bench.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn = build(model, bench)
+        batches = seen[method] = []
+        model.register_forward_pre_hook(lambda module, args, batches=batches: batches.append(args[0].clone()))
+        for _ in range(5):
+            fn()
+    assert [len(x) for x in seen["bare"]] == [bench.batch] * 5
+    assert [len(x) for x in seen["make-private"]] == [bench.batch] * 5
+    assert all(torch.equal(a, b) for a, b in zip(seen["make-private"], seen["bare"]))
+    assert len({tuple(x.flatten().tolist()) for x in seen["bare"]}) > 1  # drawn afresh at every step
+
+
 @pytest.mark.slow  # the step benchmark's machinery (performance, not privacy)
 def test_peak_memory_counts_a_steps_own_allocations() -> None:
     import torch

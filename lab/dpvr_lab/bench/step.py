@@ -34,12 +34,17 @@ private method updates its own copy of the model, so one method's state never fe
                                the model after ``ModuleValidator.fix`` (``nn.MultiheadAttention`` becomes
                                Opacus' ``DPMultiheadAttention``); where Opacus is missing or refuses the
                                model, a record says why;
-  dpvr-make-private-dp-sgd     a step of the trainer ``dpvr.make_private(..., algorithm="dp-sgd")`` returns:
-                               Poisson sampling (rate 1/4) of the case's four batches, the batch gathered,
-                               ghost clipping, the release admitted by the budget guard and written ahead to
-                               the run's ledger, the noisy update and the optimizer's step;
-  dpvr-dp-sgd-ghost            dpvr DP-SGD step: GhostClipper.clipped_sum + fused noisy update and step (on
-                               a batch that is the whole dataset, a DP-GD round);
+  dpvr-make-private-dp-sgd     a step of the trainer ``dpvr.make_private(..., algorithm="dp-sgd",
+                               sampling="wor")`` returns: a fixed-size batch of the case's B records drawn
+                               without replacement from its four batches, the batch gathered, ghost
+                               clipping, the release admitted by the budget guard and written ahead to the
+                               run's ledger, the noisy update and the optimizer's step;
+  dpvr-dp-sgd-bare             a step of ``dpvr.algorithms.DPSGD(..., sampling="wor")`` built directly on the
+                               same records with the same seeds: the same B-record batches step for step, so
+                               ``ratio_vs_bare`` (make_private's record) is what the front door adds;
+  dpvr-dp-sgd-ghost            dpvr DP-SGD step: GhostClipper.clipped_sum (sums kept in float64, as the
+                               algorithms release them) + fused noisy update and step (on a batch that is
+                               the whole dataset, a DP-GD round);
   dpvr-diff2-ghost             a DIFF2-GD difference round on the full batch: the clipped sum of same-sample
                                gradient differences at the current and previous iterates
                                (GhostClipper.clipped_diff_sum, the previous iterate's recording reused from
@@ -503,12 +508,16 @@ def _opacus_ghost(model: nn.Module, case: Case) -> Callable[[], None] | str:
 
 
 # The seeds of the two DP-SGD runs over the case's four batches (make_private's and the bare algorithm's):
-# the same in both, so that they draw the same Poisson batches step for step and their times compare one work.
+# the same in both, so that they draw the same batches step for step and their times compare one work.
 _NOISE_SEED, _SAMPLER_SEED = 47, 11
+# Fixed-size batches without replacement: every timed step holds exactly the case's B records, as every
+# other method's does (Poisson batches at rate 1/4 held 8, 13 and 11 records against B = 8, so the two
+# columns could not be read against the non-private step).
+_SAMPLING = "wor"
 
 
 def _four_batches(case: Case) -> tuple[Tensor, Tensor]:
-    """The case's four batches as one dataset (the records the two Poisson runs draw from, at rate 1/4)."""
+    """The case's four batches as one dataset (the records the two runs draw their B-record batches from)."""
     return torch.cat([b[0] for b in case.batches]), torch.cat([b[1] for b in case.batches])
 
 
@@ -521,7 +530,8 @@ def _seeded() -> object:
 
 
 def _make_private(model: nn.Module, case: Case) -> Callable[[], None]:
-    """One step of the trainer that ``dpvr.make_private`` returns for DP-SGD on the case's four batches."""
+    """One step of the trainer that ``dpvr.make_private`` returns for DP-SGD on the case's four batches, on
+    a fixed-size batch of exactly the case's B records (``sampling="wor"``)."""
     from torch.utils.data import TensorDataset
 
     from dpvr.trainer import make_private
@@ -529,7 +539,7 @@ def _make_private(model: nn.Module, case: Case) -> Callable[[], None]:
     x, y = _four_batches(case)
     trainer = make_private(model, case.criterion, TensorDataset(x, y), algorithm="dp-sgd", epsilon=8.0,
                            batch_size=case.batch, steps=10_000, clip=CLIP, runtime=_seeded(),
-                           optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+                           sampling=_SAMPLING, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
 
     def step() -> None:
         trainer.step()
@@ -539,8 +549,9 @@ def _make_private(model: nn.Module, case: Case) -> Callable[[], None]:
 
 def _bare_dp_sgd(model: nn.Module, case: Case) -> Callable[[], None]:
     """One step of ``dpvr.algorithms.DPSGD`` built directly, as :func:`_make_private` builds it (the same
-    records, Poisson rate, clip radius, budget, optimizer and seeds, so the same batches step for step), on
-    the case's own per-record loss: what ``make_private`` costs beyond the algorithm is the difference."""
+    records, fixed-size batches of the case's B records, clip radius, budget, optimizer and seeds, so the
+    same batches step for step), on the case's own per-record loss: what ``make_private`` costs beyond the
+    algorithm is the difference."""
     from dpvr.algorithms import DPSGD
     from dpvr.optim import PrivacyConfig
 
@@ -548,7 +559,7 @@ def _bare_dp_sgd(model: nn.Module, case: Case) -> Callable[[], None]:
     dtype = next(model.parameters()).dtype
     x = x.to(dtype) if x.is_floating_point() else x  # make_private casts the records to the model's dtype
     algorithm = DPSGD(model, case.loss, x, y, clip=CLIP, steps=10_000, batch_size=case.batch,
-                      privacy=PrivacyConfig(epsilon=8.0, delta=1e-5), runtime=_seeded(),
+                      sampling=_SAMPLING, privacy=PrivacyConfig(epsilon=8.0, delta=1e-5), runtime=_seeded(),
                       optimizer=torch.optim.SGD(model.parameters(), lr=LR))
     return algorithm.step
 
@@ -588,7 +599,10 @@ class _Dpvr:
 
     def dp_sgd(self) -> None:
         x, y = self.case.batches[0]
-        result = self.ghost.clipped_sum(x, y, CLIP)
+        # The sums in float64 up to the noise, as DPSGD releases them (``ClippedGradients.sum``; the fused
+        # update takes a float64 sum beside float32 values): rounding them to float32 here would time a
+        # step no algorithm takes.
+        result = self.ghost.clipped_sum(x, y, CLIP, wide=True)
         self._update(result.sums, CLIP, reset=True, stream="dp-sgd")
 
     def diff_round(self, *, fresh: bool = False, materialised: bool = False) -> None:
