@@ -686,13 +686,27 @@ class GhostClipper:
                     else:
                         parts.append((k, part))
             # A shared parameter's per-sample vector adds its modules' terms (ghost where they pair up).
-            parts += [(k, shared(ps, self._named[k][1].shape)) for k, ps in used.items()]
+            joined = [(k, shared(ps, self._named[k][1].shape)) for k, ps in used.items()]
+            if rec_b is None:
+                self._shared_sum_forms(joined)
+            parts += joined
         # The float32 Gram form's blocks run while every part materialised at these points is held, and the
         # layers' choices each saw only the earlier layers' parts held: its scratch is capped by what the
         # memory budget leaves after all of them (read by _factors).
         held = rec.held + (rec_b.held if rec_b is not None else 0.0) + spent
         self._scratch_room = max(cost.direct_budget_bytes() - held, 0.0)
         return parts
+
+    def _shared_sum_forms(self, joined: list[tuple[int, Part | Tied]]) -> None:
+        """The clipped-sum form of each shared parameter's joined :class:`Outer` part (a Tied part's map
+        too), at one point only, chosen from its shapes (:meth:`Outer.sum_choice`: all its modules' steps)
+        under ``norm_form="auto"`` on the host, as a layer's own part is (:meth:`_gradient_parts`)."""
+        if self.norm_form != "auto" or self.backend != "native":
+            return
+        for _, part in joined:
+            outer = part.outer if isinstance(part, Tied) else part
+            if isinstance(outer, Outer):
+                outer.sum_form = outer.sum_choice()
 
     def _difference_forms(self, layer: _Layer, got: dict[str, Part], room: float) -> float:
         """The norm form of each :class:`Outer` part of ``layer``'s difference (its rule's own form: pieces of
@@ -707,7 +721,8 @@ class GhostClipper:
         kernels' memory rule would pick it, never the float32 forms. The choice reads shapes only (the
         steps as recorded, never the steps :func:`~dpvr.grads.ghost.linear.read_steps` keeps, which depend
         on the values), and every form bounds the norm of what its clipped sum writes, so it never changes
-        the guarantee of :meth:`_clip`."""
+        the guarantee of :meth:`_clip`. The difference's sums stay float64 (``sum_form`` is not set here):
+        see :meth:`Outer.combine`."""
         if self.norm_form != "auto" or self.backend != "native":
             return 0.0
         spent = 0.0
@@ -762,6 +777,9 @@ class GhostClipper:
                     self.choices[f"{layer.name}.{attr}"] = choice
                     if choice.form != "materialise":
                         part.norm_form = choice.form
+                        # a part at one point: its sum may form each record's float32 matrix (write_error
+                        # prices it); a difference's parts never do (Outer.combine, _difference_forms)
+                        part.sum_form = choice.sum_form
                         if choice.form == "gram32":  # its blocks' scratch within what is left of the budget
                             part.norm_scratch = cost.gram32_scratch(
                                 max(cost.direct_budget_bytes() - rec.held, 0.0))
@@ -815,8 +833,15 @@ class GhostClipper:
         Across records (the sums, :meth:`Outer.total` etc.): formed in float64 from the factors ``f'``
         widened exactly, so a record's term is ``f' u_i`` up to the float64 roundings of the matmul, and
         replacing one record moves the sum by at most ``2 clip`` plus float64 roundings of the partial sums
-        (relative ``2^-53`` per addition), not float32 ones. ``wide``: return the sums in float64 (to be
-        kept so until the noise is added); else they are rounded to T once.
+        (relative ``2^-53`` per addition), not float32 ones. An Outer part at one point whose sum form is
+        ``"record32"`` (:mod:`~dpvr.grads.ghost.cost`) writes ``f' w_i`` with ``w_i`` record i's float32
+        matrix, summed over records in float64 (:meth:`Outer._record32_total`); its ``E_i`` is priced in
+        step 2 with the float32 unit (:func:`~dpvr.grads.ghost.norms.record32_error`), so each record's term
+        still has norm below ``clip`` and the argument across records is the one above, unchanged: no
+        accountant changes. It assumes, as the materialised form does (its per-sample matrices), that a
+        record's float32 matrix is computed from that record's inputs only (one matmul per record of a
+        batched product), as the forward pass's per-record values already are. ``wide``: return the sums in
+        float64 (to be kept so until the noise is added); else they are rounded to T once.
         """
         if isinstance(clip, LayerRadii):
             return self._clip_layers(parts, clip, weights, batch, wide)

@@ -33,6 +33,24 @@ samples, widths ``p`` and ``q``) has three forms:
   materialised at the point, if less; refused when one sample's largest pair does not fit what is left at
   its choice, or when the widths are too large for the bound.
 
+Each non-materialised form then writes its clipped sum ``S = sum_i f_i u_i`` (``u_i = sum_t n_it m_it^T``)
+in one of two ways (:data:`SUM_FORMS`), chosen apart from the norm form (:func:`predict_sums`), for a part
+at one parameter point:
+
+- ``"float64"``: one float64 matmul over samples and steps, the pieces widened to float64
+  (``2 B T p q`` flops at the float64 matmul rate, and the widening: ``B T (p + q)`` entries read, written
+  in float64 and read again, at the copy rate);
+- ``"record32"`` (float32 parameters only): each record's matrix ``w_i = fl32(sum_t n_it m_it^T)`` by a
+  batched float32 matmul over a chunk of records (``2 B T p q`` flops at the batched float32 matmul rate;
+  the chunks hold at most :data:`RECORD32_ENTRIES` float32 entries, and a record whose matrix is larger
+  is refused), then ``sum_i f_i w_i`` in float64 (:func:`~dpvr.grads.ghost.rules.weighted_sum64`: the
+  factors and entries widened exactly, a column block at a time): :data:`RECORD32_ENTRY_TRAFFIC` bytes
+  per entry of ``w_i`` at the copy rate. Its rounding, ``gamma_K`` of the part's ``R_i`` with the float32
+  unit, is priced per part by :func:`~dpvr.grads.ghost.norms.write_error`. A difference's part
+  (:meth:`~dpvr.grads.ghost.rules.Outer.combine`, a rule's own difference) keeps the float64 sum: its
+  ``R_i`` is relative to the two points' terms, which may nearly cancel, so ``gamma_K R_i`` could exceed
+  the small difference and clip it away.
+
 The rates come from a short micro-benchmark (:func:`calibrate`, well under a second) run once per machine
 and cached as JSON under the user's cache directory (``$XDG_CACHE_HOME/dpvr`` or ``~/.cache/dpvr``), keyed
 by the CPU model, torch's thread count, the torch version and the dpvr version. ``DPVR_GHOST_CALIBRATE=0``
@@ -40,15 +58,19 @@ turns calibration off: the fixed :data:`DEFAULT_RATES` are used. ``DPVR_GHOST_DI
 budget of the materialised form (default :data:`DEFAULT_DIRECT_MIB`). Tests pin the rates
 (:func:`pinned_rates`), so their choices are deterministic.
 
-Privacy: the choice depends on the shapes ``(B, T, p, q)``, the dtype and the machine only, never on the
-values of the recorded tensors. It changes the time, not the guarantee: the native forms return upper bounds
-on the exact per-sample norms that include their float64 rounding (:func:`dpvr.ops.ghost_norms`), the
-float32 Gram form one that includes its float32 rounding (its price: a looser bound, so a clipped record
-is scaled a little further below the radius), and the
-clipped sum's rounding is bounded separately (:func:`~dpvr.grads.ghost.norms.write_error`); a materialised
-part's norms are upper bounds on the norms of the very matrices that its clipped sum writes (one rounding
-per entry, priced by the clip margin). So each record's written contribution has norm at most the clip
-radius, and the release's sensitivity bound holds, whichever form is chosen.
+Privacy: the choice (of the norm form and of the sum form) depends on the shapes ``(B, T, p, q)``, the
+dtype and the machine only, never on the values of the recorded tensors. It changes the time, not the
+guarantee: the native forms return upper bounds on the exact per-sample norms that include their float64
+rounding (:func:`dpvr.ops.ghost_norms`), the float32 Gram form one that includes its float32 rounding (its
+price: a looser bound, so a clipped record is scaled a little further below the radius), and the clipped
+sum's rounding (either sum form's) is bounded separately (:func:`~dpvr.grads.ghost.norms.write_error`);
+a materialised part's norms are upper bounds on the norms of the very matrices that its clipped sum
+writes (one rounding per entry, priced by the clip margin). So each record's written contribution has
+norm at most the clip radius, and the release's sensitivity bound holds, whichever form is chosen. The
+``"record32"`` sum computes each record's float32 matrix from that record's own inputs only (one matmul
+per record in the batched product, as the materialised form's matrices and the forward pass's per-record
+values are), and its sum over records stays in float64, so replacing one record moves the sum by at most
+twice the radius plus float64 roundings, as with the ``"float64"`` sum: no accountant changes.
 """
 
 from __future__ import annotations
@@ -60,7 +82,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -74,6 +96,15 @@ GRAM32_SCRATCH = float(1 << 26)  # bytes of scratch its blocks may use (64 MiB) 
 GRAM32_ENTRY_BYTES = 24  # scratch per Gram entry: two float32 blocks and their float64 copies
 GRAM32_ENTRY_TRAFFIC = 96.0  # bytes moved per float32 Gram entry: written, widened, read, abs, weighted
 DEFAULT_DIRECT_MIB = 256.0
+SUM_FORMS = ("float64", "record32")
+# float32 entries of one chunk's per-record matrices of the "record32" sum (16 MiB): below the C library's
+# threshold for mapping fresh pages, so the chunk's buffer is reused without page faults; one record's
+# matrix larger than this is refused the form.
+RECORD32_ENTRIES = 1 << 22
+# bytes moved per entry of a record's float32 matrix: written and read (8), its float64 block written and
+# read in cache (16); matches the weighted column-block sum's measured rate on a 2-core AVX-512 host.
+RECORD32_ENTRY_TRAFFIC = 24.0
+WIDEN_ENTRY_TRAFFIC = 16.0  # bytes per entry of a float64 sum's widened pieces beyond reading them
 CALIBRATE_ENV = "DPVR_GHOST_CALIBRATE"
 BUDGET_ENV = "DPVR_GHOST_DIRECT_MIB"
 
@@ -104,6 +135,10 @@ class Choice:
     seconds: dict[str, float]
     shapes: tuple[int, int, int, int]  # (B, T, p, q)
     itemsize: int = 4  # bytes per entry of the recorded tensors (what a materialised matrix holds)
+    # the clipped sum's form of a non-materialised part (SUM_FORMS; "materialised" for that form) and the
+    # predicted seconds of each sum form
+    sum_form: str = "float64"
+    sum_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def direct_budget_bytes() -> float:
@@ -125,7 +160,7 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
     """Predicted seconds of each form for an Outer part of these shapes (see the module docstring)."""
     b, t = float(batch), float(steps)
     entries = b * p * q
-    float64_sum = 2.0 * b * t * p * q / rates.matmul64
+    float64_sum = min(predict_sums(batch, steps, p, q, itemsize, rates).values())  # the sum form chosen
     materialise = float("inf")
     if steps > 1 and entries * (itemsize + 8) <= budget:
         # the batched matmul; then write the matrices, read them for the norms, widen them for the sum
@@ -144,6 +179,21 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
         traffic = b * pairs * GRAM32_ENTRY_TRAFFIC + 4.0 * b * t * (p + q) * (len(blocks) + 1)
         gram32 = 2.0 * b * pairs * (p + q) / rates.matmul32 + traffic / rates.bandwidth + float64_sum
     return {"materialise": materialise, "gram": gram, "direct": direct, "chunked": chunked, "gram32": gram32}
+
+
+def predict_sums(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates) -> dict[str, float]:
+    """Predicted seconds of each clipped-sum form (:data:`SUM_FORMS`) of a non-materialised Outer part of
+    these shapes (see the module docstring); ``inf``: not applicable (float64 pieces, or one record's
+    matrix above :data:`RECORD32_ENTRIES`)."""
+    b, t = float(batch), float(steps)
+    flops = 2.0 * b * t * p * q
+    widen = b * t * (p + q) * (itemsize + WIDEN_ENTRY_TRAFFIC) if itemsize != 8 else 0.0
+    float64 = flops / rates.matmul64 + widen / rates.bandwidth
+    record32 = float("inf")
+    # (the float32 rounding bound needs K u < 1/2: far more steps than any layer has)
+    if itemsize == 4 and p * q <= RECORD32_ENTRIES and steps * 2.0 ** -24 < 0.25:
+        record32 = flops / rates.matmul32 + b * p * q * RECORD32_ENTRY_TRAFFIC / rates.bandwidth
+    return {"float64": float64, "record32": record32}
 
 
 def gram32_fits(steps: int, p: int, q: int, budget: float) -> bool:
@@ -178,7 +228,39 @@ def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates |
     budget = direct_budget_bytes() if budget is None else budget
     seconds = predict(batch, steps, p, q, itemsize, rates, budget)
     form = min(FORMS, key=lambda f: seconds[f])
-    return Choice(form, seconds, (batch, steps, p, q), itemsize)
+    sums = predict_sums(batch, steps, p, q, itemsize, rates)
+    sum_form = "materialised" if form == "materialise" else _sum_form(sums)
+    return Choice(form, seconds, (batch, steps, p, q), itemsize, sum_form, sums)
+
+
+def choose_sum(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates | None = None) -> str:
+    """The fastest clipped-sum form (:data:`SUM_FORMS`) of a non-materialised Outer part with these shapes
+    (ties: ``"float64"``), from shapes, dtype and rates only."""
+    rates = machine_rates() if rates is None else rates
+    return _sum_form(predict_sums(batch, steps, p, q, itemsize, rates))
+
+
+def _sum_form(sums: dict[str, float]) -> str:
+    if _forced_sums:
+        return _forced_sums[-1] if sums[_forced_sums[-1]] < float("inf") else "float64"
+    return min(SUM_FORMS, key=lambda f: sums[f])
+
+
+_forced_sums: list[str] = []
+
+
+@contextlib.contextmanager
+def forced_sums(form: str) -> Iterator[None]:
+    """Within the block, every non-materialised part's clipped sum takes ``form`` (:data:`SUM_FORMS`) where
+    it applies (``"record32"`` needs float32 pieces and a record's matrix within :data:`RECORD32_ENTRIES`;
+    elsewhere ``"float64"``), whatever the rates predict: tests and same-run comparisons of the two."""
+    if form not in SUM_FORMS:
+        raise ValueError(f"form: must be one of {SUM_FORMS}, got {form!r}")
+    _forced_sums.append(form)
+    try:
+        yield
+    finally:
+        _forced_sums.pop()
 
 
 # ---- calibration ----

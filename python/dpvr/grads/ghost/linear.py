@@ -159,14 +159,21 @@ class ConvOuter(Outer):
         steps = sum(math.prod(g.shape[2:]) for g in self.raw[0][1])
         return steps, weight[0].numel(), weight.shape[0]
 
-    def choice(self, budget: float | None = None) -> cost.Choice:
-        """As :meth:`Outer.choice` (the batch, the steps of all pieces as recorded, the widths and the
+    def shapes(self) -> tuple[int, int, int, int, int]:
+        """As :meth:`Outer.shapes` (the batch, the steps of all pieces as recorded, the widths and the
         recorded dtype), read from the recorded calls: choosing never unfolds the patches, which a part
         then materialised never needs."""
         steps, p, q = self.sizes()
         steps += sum(math.prod(g.shape[2:]) for _, gs in self.raw[1:] for g in gs)
         x = self.raw[0][0][0]
-        return cost.choose(x.shape[0], steps, p, q, x.element_size(), budget=budget)
+        return x.shape[0], steps, p, q, x.element_size()
+
+    def choice(self, budget: float | None = None) -> cost.Choice:
+        """As :meth:`Outer.choice`, from :meth:`shapes`: never unfolds the patches."""
+        return cost.choose(*self.shapes(), budget=budget)
+
+    def piece_dtype(self) -> torch.dtype:
+        return self.raw[0][0][0].dtype
 
     def _weight_grad(self, x: Tensor, g: Tensor, padding: tuple[int, ...], shape: Sequence[int]) -> Tensor:
         m = self.rule.module
@@ -176,7 +183,14 @@ class ConvOuter(Outer):
         """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`). On the host, once a norm form has
         unfolded the patches, one matmul over samples and steps per chunk of samples (:meth:`_unfolded_total`:
         the host's float64 convolution forms the same products about 1.5x slower); else the convolution's own
-        weight gradient of the scaled output gradients."""
+        weight gradient of the scaled output gradients. With :attr:`sum_form` ``"record32"``: each record's
+        float32 matrix from its unfolded patches, a chunk of records at a time, summed over records in
+        float64 (:meth:`Outer._record32_total`; unfolded by chunk of records when no norm form unfolded
+        them), whose rounding :func:`~dpvr.grads.ghost.norms.write_error` prices as for any Outer part:
+        explicit sums over the positions, where a convolution's own algorithm (Winograd, FFT) would not be
+        covered by that bound. Off the host, today's float64 path (the clipper chooses it there)."""
+        if self.sums_per_record32(f.dtype):
+            return self._record32_total(f, shape)
         if "pieces" in self.__dict__ and f.device.type == "cpu":
             return self._unfolded_total(f, shape)
         out = None
@@ -184,6 +198,18 @@ class ConvOuter(Outer):
             term = self._weight_grad(x.to(f.dtype), scale_rows(g.to(f.dtype), f), padding, shape)
             out = term if out is None else out.add_(term)
         return out
+
+    def _steps_of(self, rows: slice) -> tuple[Tensor, Tensor]:
+        """As :meth:`Outer._steps_of`; without unfolded :attr:`pieces`, the records ``rows`` of every call
+        unfolded alone (the steps that add nothing kept: they add exact zeros)."""
+        if "pieces" in self.__dict__:
+            return Outer._steps_of(self, rows)
+        ms, ns = [], []
+        for xs, gs in self.raw:
+            for x, g in zip(xs, gs):
+                ms.append(self.rule.activations(x[rows]))
+                ns.append(self.rule.output_grads(g[rows]))
+        return steps(ms), steps(ns)
 
     def _unfolded_total(self, f: Tensor, shape: torch.Size) -> Tensor:
         """``sum_i f_i sum_t n_it m_it^T`` from the unfolded pieces, widened to ``f``'s dtype a chunk of
@@ -239,8 +265,10 @@ class ConvOuter(Outer):
         return r.reshape(c_in, batch, c_out, *m.kernel_size).permute(1, 2, 0, *range(3, 3 + dims))
 
     def drop(self, bad: Tensor) -> ConvOuter:
-        return ConvOuter(self.rule, [([zero_rows(x, bad) for x in xs], [zero_rows(g, bad) for g in gs])
-                                     for xs, gs in self.raw])
+        dropped = ConvOuter(self.rule, [([zero_rows(x, bad) for x in xs], [zero_rows(g, bad) for g in gs])
+                                        for xs, gs in self.raw])
+        dropped.sum_form = self.sum_form
+        return dropped
 
 
 @register_ghost_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)

@@ -445,6 +445,11 @@ def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: tor
     f ((1 + u64) E_h + u64 ||r_i|| + E_h / 2)``, so ``E = (1 + u) (2 E_h + u64 ||r_i||)``. The per-record
     rounding of the float32 factors (``f' <= f (1 + u)``, :meth:`GhostClipper._clip`'s step 2) is the
     caller's and stays priced there.
+
+    The error is priced per part, for the form of its sum: an Outer part whose sum forms each record's
+    float32 matrix (:meth:`Outer.sums_per_record32`: ``sum_form="record32"``, float32 pieces, summed in
+    float64) has its own ``E`` (:func:`record32_error`: ``gamma_K R_i`` with the float32 unit, and the
+    reduced-precision unit where torch's settings allow it), every other part the float64 one above.
     """
     unit = 2.0 ** -24 if dtype == torch.float32 else U64
     accumulate = dtype if accumulate is None else accumulate
@@ -482,6 +487,8 @@ def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device
     """One part's ``E_i`` (see :func:`write_error`), or None when it is 0. ``known``: an Outer part's
     ``R_i`` as :func:`dpvr.ops.ghost_norms` computed it (``outer_bounds``) from the same pieces: the same
     float64 products of norms summed over the same steps, so the same bound on its own rounding holds."""
+    if isinstance(part, Outer) and part.sums_per_record32(dtype):
+        return record32_error(part, batch, device, known)
     reduced = 0.0
     if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
         reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
@@ -506,6 +513,60 @@ def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device
                          f"of {dtype} to be bounded; use float64 parameters")
     # R's own float64 roundings (norms over the widths, products, the sum over the steps), rounded up.
     return (rounds / (1.0 - rounds)) * (1.0 + 2.0 * (width + terms + 8) * U64) * r
+
+
+def record32_error(part: Outer, batch: int, device: torch.device, known: Tensor | None = None) -> Tensor:
+    """``E_i`` of an Outer part whose clipped sum forms each record's matrix in float32
+    (:meth:`Outer._record32_total`): a float64 ``(B,)`` bound on ``||w^_i - u_i||``, where ``w^_i`` is
+    record i's float32 matrix as widened to float64 and ``u_i = sum_t n_t m_t^T`` the exact matrix of the
+    pieces (``K`` steps over all pieces, widths ``p`` and ``q``). ``known``: ``R_i`` as the native norms
+    computed it (see :func:`_part_error`).
+
+    The bound (``u = 2^-24``, ``gamma_K = K u / (1 - K u)``, ``u'`` the reduced-precision unit of torch's
+    float32 matmul setting (:func:`reduced_precision_unit`; 0 at ``"highest"``), ``mu = 2^-126``): an
+    entry of ``w^_i`` is a float32 sum of ``K`` products in any order (blocked, vectorised, fused): reading
+    an input may round it relatively by ``u'`` and, under denormals-are-zero, absolutely by less than
+    ``mu``; each product and each addition rounds relatively by ``u`` (at most ``K`` such on any term's
+    path: ``gamma_K``) and absolutely by less than ``mu`` (gradual underflow or a flush to zero: at most
+    ``2 K`` per entry, each amplified by at most ``1 + gamma_K``); widening the entry to float64 is exact
+    but for a flushed denormal (less than ``mu``). So, per entry, ``|w^ - x| <= g sum_t |n_t| |m_t| +
+    mu (1 + gamma_K) (1 + u') (sum_t (|m_t| + |n_t|) + 3 K + 1)`` with ``g = (1 + u')^2 (1 + gamma_K) -
+    1``, and over the entries (Frobenius; ``||[|n_t| |m_t|^T]|| = ||n_t|| ||m_t||``, the entries of ``m_t``
+    at most ``A_i`` and of ``n_t`` at most ``B_i`` in magnitude):
+
+        ||w^_i - u_i|| <= g R_i + mu (1 + gamma_K) (1 + u') sqrt(p q) (K (A_i + B_i) + 3 K + 1),
+
+    ``R_i = sum_t ||n_t|| ||m_t||``. ``A_i`` and ``B_i`` are float32 maxima (exact); everything else is
+    computed in float64 and rounded up. The factors and entries then widen exactly and ``f_i w^_i`` is
+    exact in float64 (two float32 significands), so for a record alone the float64 value is
+    ``f_i w^_i``, within ``f_i E_i`` of ``f_i u_i``; :func:`write_error` adds the sums' one rounding to the
+    parameters' dtype. The cancelling steps, calls or pieces that make ``R_i`` far exceed ``||u_i||`` are
+    why the bound is not relative to ``||u_i||``.
+    """
+    pieces = [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in part.pieces]
+    p, q = pieces[0][0].shape[-1], pieces[0][1].shape[-1]
+    steps = sum(m.shape[1] for m, _ in pieces)
+    unit = reduced_precision_unit(False, device)  # the per-record product is a matmul (bmm), never a conv
+    if not steps * U32 < 0.5:
+        raise ValueError(f"a layer's float32 per-record sum adds {steps} terms per entry: too many for its "
+                         "rounding to be bounded")
+    gamma = _gamma(float(steps), U32)
+    g = ((1.0 + unit) ** 2 * (1.0 + gamma) - 1.0) * (1.0 + 8.0 * U64)
+    r = known
+    if r is None:
+        r = torch.zeros(batch, dtype=torch.float64, device=device)
+        for m, n in pieces:
+            r += (torch.linalg.vector_norm(m, dim=-1, dtype=torch.float64)
+                  * torch.linalg.vector_norm(n, dim=-1, dtype=torch.float64)).sum(dim=1)
+    r = r * (1.0 + 2.0 * (p + q + steps + 8) * U64)  # R's own float64 roundings, rounded up
+    largest = torch.zeros(batch, dtype=torch.float64, device=device)
+    for m, n in pieces:  # float32 maxima, exact; widened exactly
+        if m.shape[1] == 0:
+            continue
+        largest = torch.maximum(largest, m.abs().amax(dim=(1, 2)).to(torch.float64)
+                                + n.abs().amax(dim=(1, 2)).to(torch.float64))
+    tiny = TINY32 * (1.0 + gamma) * (1.0 + unit) * math.sqrt(p * q) * (1.0 + 4.0 * U64)
+    return (g * r + tiny * (steps * largest + (3.0 * steps + 1.0))) * (1.0 + 16.0 * U64)
 
 
 def with_write_error(norms_sq: Tensor, error: Tensor | None) -> Tensor:

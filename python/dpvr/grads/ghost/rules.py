@@ -122,12 +122,17 @@ class Outer:
     recorded_steps: int | None = None
     norm_form: str | None = None  # the form chosen for its norms (cost.choose); None: the caller's
     norm_scratch: float | None = None  # bytes of scratch that form may use (the float32 Gram form's blocks)
+    # the form of its clipped sum (cost.SUM_FORMS; None: "float64"), set only for a part at ONE point
+    sum_form: str | None = None
     by_convolution: ClassVar[bool] = False  # whether total() runs a convolution (cuDNN) rather than a matmul
 
     def total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
         """``sum_i f_i u_i``, computed in ``f``'s dtype (the pieces are widened to it: a float64 ``f`` sums
         over records in float64; see :meth:`GhostClipper._clip`). ``out``: a contiguous tensor of ``f``'s
-        dtype with as many entries, written with the same products (the values do not depend on it)."""
+        dtype with as many entries, written with the same products (the values do not depend on it).
+        With :attr:`sum_form` ``"record32"`` (:meth:`sums_per_record32`): :meth:`_record32_total`."""
+        if self.sums_per_record32(f.dtype):
+            return self._record32_total(f, shape, out)
         total = None
         for m, n in self.pieces:
             m, n = m.to(f.dtype), n.to(f.dtype)
@@ -142,8 +147,56 @@ class Outer:
                 total = left @ right
         return total.reshape(shape)
 
+    def piece_dtype(self) -> torch.dtype:
+        """The dtype of the recorded pieces."""
+        return self.pieces[0][0].dtype
+
+    def sums_per_record32(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`total` with factors of ``dtype`` forms each record's float32 matrix and sums the
+        records in float64 (:meth:`_record32_total`): the part's :attr:`sum_form` is ``"record32"``, its
+        pieces are float32 and the sum is accumulated in float64 (what
+        :func:`~dpvr.grads.ghost.norms.write_error` prices for it)."""
+        return (self.sum_form == "record32" and dtype == torch.float64
+                and self.piece_dtype() == torch.float32)
+
+    def _record32_total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
+        """``sum_i f_i w_i`` in float64 with ``w_i = fl32(sum_t n_it m_it^T)``: each record's ``(q, p)``
+        matrix from one float32 matmul over all its steps (the pieces' steps joined), a chunk of records at
+        a time by a batched matmul into one reused buffer of at most
+        :data:`~dpvr.grads.ghost.cost.RECORD32_ENTRIES` entries (one record at least), then the chunk's
+        weighted sum added in float64 (:func:`weighted_sum64`: the float32 factors and entries widened
+        exactly, so every product ``f_i w_i`` is exact and only the additions over records round, in
+        float64).
+
+        Each record's matrix is computed from that record's pieces only (one matmul per record of the
+        batched product), so what one record contributes, ``f_i w_i``, does not depend on the other
+        records' values; its distance from ``f_i u_i`` is priced by
+        :func:`~dpvr.grads.ghost.norms.write_error` (``gamma_K R_i`` with the float32 unit). ``f``: float64
+        factors; ``out``: as for :meth:`total`."""
+        batch = f.shape[0]
+        _, p, q = self.sizes()
+        size = min(batch, max(1, cost.RECORD32_ENTRIES // max(p * q, 1)))
+        buffer = torch.empty(size, q, p, dtype=torch.float32, device=f.device)
+        total = (torch.empty(q * p, dtype=f.dtype, device=f.device) if out is None else out.view(-1))
+        for start in range(0, batch, size):
+            rows = slice(start, min(start + size, batch))
+            chunk = buffer[:rows.stop - rows.start]
+            m, n = self._steps_of(rows)
+            torch.bmm(n.transpose(1, 2), m, out=chunk)
+            weighted_sum64(f[rows], chunk.view(chunk.shape[0], -1), total, accumulate=start > 0)
+        return total.view(shape)
+
+    def _steps_of(self, rows: slice) -> tuple[Tensor, Tensor]:
+        """``(M, N)`` of the records ``rows``: every piece's steps joined, ``(b, K, p)`` and ``(b, K, q)``."""
+        ms, ns = [], []
+        for m, n in self.pieces:
+            m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+            ms.append(m3[rows])
+            ns.append(n3[rows])
+        return steps(ms), steps(ns)
+
     def drop(self, bad: Tensor) -> Outer:
-        return Outer([(zero_rows(m, bad), zero_rows(n, bad)) for m, n in self.pieces])
+        return Outer([(zero_rows(m, bad), zero_rows(n, bad)) for m, n in self.pieces], sum_form=self.sum_form)
 
     def sizes(self) -> tuple[int, int, int]:
         """``(steps, p, q)``: the steps of one piece and the widths of the two sides."""
@@ -159,14 +212,24 @@ class Outer:
         steps, p, q = self.sizes()
         return steps > 1 and p * q <= steps * (p + q)
 
-    def choice(self, budget: float | None = None) -> cost.Choice:
-        """The form of this part's norms predicted fastest on this machine (:func:`cost.choose`, under
-        ``budget`` bytes for the materialised form: default the whole budget), from its shapes alone: the
-        batch, the steps of all its pieces (as recorded), its widths and its dtype."""
+    def shapes(self) -> tuple[int, int, int, int, int]:
+        """``(B, K, p, q, itemsize)``: the batch, the steps of all its pieces (as recorded), the widths and
+        the bytes per recorded entry: what the choices read (never the values)."""
         steps, p, q = self.sizes()
         m = self.pieces[0][0]
         total = steps + sum(mj.shape[1] if mj.dim() == 3 else 1 for mj, _ in self.pieces[1:])
-        return cost.choose(m.shape[0], total, p, q, m.element_size(), budget=budget)
+        return m.shape[0], total, p, q, m.element_size()
+
+    def choice(self, budget: float | None = None) -> cost.Choice:
+        """The form of this part's norms predicted fastest on this machine (:func:`cost.choose`, under
+        ``budget`` bytes for the materialised form: default the whole budget), and of its clipped sum, from
+        its shapes alone (:meth:`shapes`; read from the pieces here, whatever a subclass reads)."""
+        return cost.choose(*Outer.shapes(self), budget=budget)
+
+    def sum_choice(self) -> str:
+        """The form of this part's clipped sum predicted fastest (:func:`cost.choose_sum`), from
+        :meth:`shapes` alone."""
+        return cost.choose_sum(*self.shapes())
 
     def per_sample(self) -> Tensor:
         """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``."""
@@ -178,10 +241,15 @@ class Outer:
         return out
 
     def combine(self, other: Outer, a: Tensor | None, b: Tensor | None) -> Outer:
-        """``a_i u_i - b_i u'_i`` as pieces of both (exact; its norm bound is relative to the two terms)."""
+        """``a_i u_i - b_i u'_i`` as pieces of both (exact; its norm bound is relative to the two terms).
+
+        Its clipped sum is always the float64 one (``sum_form`` left unset, whatever the two points' parts
+        took): a float32 per-record matrix would round relative to ``R_i``, the sum over both points'
+        steps of ``||n_t|| ||m_t||``, which may far exceed the small difference, and pricing that rounding
+        would clip the difference away."""
         return Outer([(m, scale_rows(n, a)) for m, n in self.pieces]
                      + [(m, -scale_rows(n, b)) for m, n in other.pieces], norm_form=self.norm_form,
-                     norm_scratch=self.norm_scratch)
+                     norm_scratch=self.norm_scratch, sum_form=None)
 
 
 @dataclass
@@ -294,20 +362,33 @@ class Dense:
         if flat.dtype == f.dtype or flat.device.type != "cpu":
             return (f @ flat.to(f.dtype)).reshape(shape)
         out = torch.empty(flat.shape[1], dtype=f.dtype, device=flat.device)
-        width = max(DENSE_BLOCK_BYTES // (flat.shape[0] * f.element_size()) // 64 * 64, 64)
-        row = f.unsqueeze(0)
-        # One thread: each block is too small to share, and on a busy host a team waiting for a descheduled
-        # thread at every block made the loop six times slower than the whole-matrix product it replaces.
-        with ops.torch_threads(1):
-            for j in range(0, flat.shape[1], width):
-                torch.mm(row, flat[:, j:j + width].to(f.dtype), out=out[j:j + width].unsqueeze(0))
-        return out.reshape(shape)
+        return weighted_sum64(f, flat, out).reshape(shape)
 
     def drop(self, bad: Tensor) -> Dense:
         return Dense(zero_rows(self.u, bad))
 
     def combine(self, other: Dense, a: Tensor | None, b: Tensor | None) -> Dense:
         return Dense(scale_rows(self.u, a) - scale_rows(other.u, b))
+
+
+def weighted_sum64(f: Tensor, flat: Tensor, out: Tensor, accumulate: bool = False) -> Tensor:
+    """``out (+)= f @ flat`` for a ``(B, c)`` matrix ``flat`` of a narrower dtype than ``f`` on the host,
+    into the ``(c,)`` tensor ``out`` of ``f``'s dtype (added to it when ``accumulate``), the columns widened
+    and summed a block at a time (:data:`DENSE_BLOCK_BYTES` of widened entries): the same ``(1, B) @ (B, c)``
+    product per column as one product of the widened matrix, without that widened copy (see
+    :meth:`Dense.total`). Returns ``out``."""
+    width = max(DENSE_BLOCK_BYTES // (flat.shape[0] * f.element_size()) // 64 * 64, 64)
+    row = f.unsqueeze(0)
+    # One thread: each block is too small to share, and on a busy host a team waiting for a descheduled
+    # thread at every block made the loop six times slower than the whole-matrix product it replaces.
+    with ops.torch_threads(1):
+        for j in range(0, flat.shape[1], width):
+            block = out[j:j + width].unsqueeze(0)
+            if accumulate:
+                block.addmm_(row, flat[:, j:j + width].to(f.dtype))
+            else:
+                torch.mm(row, flat[:, j:j + width].to(f.dtype), out=block)
+    return out
 
 
 Part = Union[Outer, Rows, Dense]

@@ -1,0 +1,303 @@
+"""The clipped sum's two forms for a non-materialised Outer part at one point (dpvr.grads.ghost.cost
+SUM_FORMS): the float64 product over samples and steps, and ``"record32"``, each record's float32 matrix
+summed over records in float64, whose rounding ``write_error`` prices per part with the float32 unit.
+
+Checked on recorded parts of real layers (a Linear over a sequence, a weight shared by two modules: several
+pieces, Conv2d at a few paddings and strides), float32 parameters: every record's written term within the
+priced bound of its exact matrix, the sums within the sum of those bounds; a record at the radius written
+alone has norm at most C, also where its steps cancel (``R_i >> ||u_i||``), which the float64 unit would not
+cover; differences never take the float32 form; the cost model's choice flips with the steps.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dpvr.grads import GhostClipper, per_sample_grads
+from dpvr.grads.ghost import cost, norms
+from dpvr.grads.ghost.linear import ConvOuter
+from dpvr.grads.ghost.rules import Outer, Tied
+
+U32, U64 = 2.0**-24, 2.0**-53
+RATES = cost.Rates(matmul32=1e11, matmul64=5e10, gram=8e9, direct=1.2e10, bandwidth=1e10)
+
+
+def mse(output: Tensor, target: Tensor) -> Tensor:
+    return ((output - target) ** 2).mean()
+
+
+class SeqLinear(nn.Module):
+    """A Linear over 12 steps of a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(24, 20)
+        self.head = nn.Linear(20, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.lin(x.view(x.shape[0], 12, 24)))).sum(dim=(1, 2))
+
+
+class SharedPieces(nn.Module):
+    """One weight used by two modules (two pieces of one part) at 5 and 7 steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16, bias=False)
+        self.second = nn.Linear(16, 16, bias=False)
+        self.second.weight = self.first.weight
+        self.head = nn.Linear(16, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.first(x[:, :80].reshape(-1, 5, 16)))
+        b = torch.tanh(self.second(x[:, 80:192].reshape(-1, 7, 16)))
+        return self.head(a).sum(dim=(1, 2)) + self.head(b).sum(dim=(1, 2))
+
+
+class Conv(nn.Module):
+    def __init__(self, padding: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=padding, stride=stride)
+        self.head = nn.Linear(8, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(self.conv(x.view(x.shape[0], 3, 8, 8)))
+        return self.head(y.mean(dim=(2, 3))).squeeze(1)
+
+
+class Cancelling(nn.Module):
+    """A Linear at 8 nearby steps whose outputs enter with alternating signs: the per-record matrix is a
+    sum of rank-one terms that nearly cancel (``R_i`` about 10^3-10^4 times ``||u_i||``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(48, 48, bias=False)
+        self.head = nn.Linear(48, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        steps = x.unsqueeze(1) + 1e-4 * torch.cos(torch.arange(8.0).view(1, 8, 1) * (x.unsqueeze(1) + 1))
+        y = torch.tanh(self.lin(steps))  # (B, 8, 48)
+        signs = torch.tensor([1.0, -1.0] * 4).view(1, 8, 1)
+        return self.head((signs * y).sum(dim=1)).squeeze(1)
+
+
+MODELS = {
+    "sequence-linear": (SeqLinear, 12 * 24),
+    "shared-pieces": (SharedPieces, 192),
+    "conv-pad1-stride1": (lambda: Conv(1, 1), 192),
+    "conv-pad0-stride2": (lambda: Conv(0, 2), 192),
+    "conv-pad2-stride3": (lambda: Conv(2, 3), 192),
+}
+
+
+@pytest.fixture
+def no_materialised(monkeypatch):
+    """No memory for the materialised form: every Outer part takes a form whose sum is one of SUM_FORMS."""
+    monkeypatch.setenv(cost.BUDGET_ENV, "0")
+    with cost.pinned_rates(RATES):
+        yield
+
+
+def outer_parts(clipper: GhostClipper, x: Tensor, y: Tensor, point=None) -> list[tuple[int, Outer]]:
+    """The Outer parts (a Tied part's map too) of a recorded point, as the clipper forms them."""
+    rec = clipper._record(x, y, point, "params")
+    parts = clipper._parts(rec, None, None, None)
+    return [(k, p.outer if isinstance(p, Tied) else p) for k, p in parts if isinstance(p, (Outer, Tied))]
+
+
+def exact_matrices(part: Outer) -> tuple[Tensor, Tensor]:
+    """Float64 ``u_i`` of the pieces and ``R_i``: both within ``gamma64_K R_i`` of the exact values."""
+    pieces = [(m.double(), n.double()) for m, n in part.pieces]
+    u = Outer(pieces).per_sample()
+    r = sum((m.norm(dim=-1) * n.norm(dim=-1)).reshape(m.shape[0], -1).sum(dim=1) for m, n in pieces)
+    return u.reshape(u.shape[0], -1), r
+
+
+def steps_of(part: Outer) -> int:
+    return sum(m.shape[1] if m.dim() == 3 else 1 for m, _ in part.pieces)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_records_term_is_within_the_priced_bound(name, no_materialised) -> None:
+    make, width = MODELS[name]
+    torch.manual_seed(5)
+    model = make()
+    batch = 6
+    x, y = torch.randn(batch, width), torch.randn(batch)
+    for form in cost.SUM_FORMS:
+        with cost.forced_sums(form):
+            parts = outer_parts(GhostClipper(model, mse), x, y)
+        assert parts
+        for k, part in parts:
+            record32 = part.sums_per_record32(torch.float64)
+            assert record32 == (form == "record32")
+            assert isinstance(part, ConvOuter) == name.startswith("conv")
+            error = norms.write_error([(k, part)], batch, torch.float32, torch.device("cpu"),
+                                      accumulate=torch.float64)
+            u, r = exact_matrices(part)
+            slack = 4 * (steps_of(part) + 8) * U64 * r  # the float64 reference's own rounding
+            shape = torch.Size([u.shape[1]])
+            for i in range(batch):
+                one = torch.zeros(batch, dtype=torch.float64)
+                one[i] = 1.0  # f = e_i: the sum is record i's term alone (the others add exact zeros)
+                written = part.total(one, shape).double()
+                assert float((written - u[i]).norm()) <= float(error[i] + slack[i])
+            # the float32 rounding is there, and priced by the float32 unit, not the float64 one
+            if record32:
+                assert float(error.min()) > 2 * steps_of(part) * U32 / 4 * float(r.min())
+            # the whole sum over records with float32 factors: within the sum of the records' bounds
+            f = torch.rand(batch).to(torch.float64)
+            got = part.total(f, shape).double()
+            want = f @ u
+            assert float((got - want).norm()) <= float(f @ (error + slack)) + batch * 4 * U64 * float(f @ r)
+
+
+def test_a_convolution_unfolded_by_chunk_of_records_agrees(no_materialised) -> None:
+    """Without unfolded pieces, ``ConvOuter`` unfolds each chunk of records itself (all positions): the
+    same matrices within the priced bound."""
+    torch.manual_seed(2)
+    model = Conv(1, 2)
+    x, y = torch.randn(5, 192), torch.randn(5)
+    with cost.forced_sums("record32"):
+        ((k, part),) = outer_parts(GhostClipper(model, mse), x, y)
+    fresh = ConvOuter(part.rule, part.raw)
+    fresh.sum_form = "record32"
+    f = torch.rand(5).to(torch.float64)
+    shape = torch.Size([8, 27])
+    got = fresh.total(f, shape)
+    assert "pieces" not in fresh.__dict__  # formed without unfolding the whole batch
+    error = norms.write_error([(k, part)], 5, torch.float32, torch.device("cpu"), accumulate=torch.float64)
+    u, r = exact_matrices(part)
+    assert float((got.reshape(-1) - f @ u).norm()) <= float(f @ error) + 1e-12 * float(f @ r)
+
+
+def written_norm_over_clip_sq(clipper: GhostClipper, x: Tensor, y: Tensor, fraction: float) -> Fraction:
+    """``(||written|| / C)^2`` exactly, for one record clipped at ``fraction`` of its norm bound."""
+    norm = float(clipper.clipped_sum(x, y, 1e30).norms[0])
+    clip = fraction * norm
+    sums = clipper.clipped_sum(x, y, clip).sums
+    written = sum((Fraction(v) ** 2 for s in sums for v in s.double().flatten().tolist()), Fraction(0))
+    return written / Fraction(clip) ** 2
+
+
+def test_a_record_at_the_radius_written_alone_stays_within_it_where_its_steps_cancel(no_materialised) -> None:
+    """The adversarial case: the per-record float32 matrix errs by about ``2^-24 R_i``, ~10^-4 of
+    ``||u_i||`` here, far above the clip margin (~10^-7): priced by the float64 unit the record would be
+    written above C; priced by the float32 unit (what write_error does for the part) it stays within."""
+    over, ratios, worst = 0, [], 0.0
+    for seed in range(12):
+        torch.manual_seed(seed)
+        model = Cancelling()
+        x, y = 2 * torch.randn(1, 48), torch.randn(1)
+        with cost.forced_sums("record32"):
+            clipper = GhostClipper(model, mse)
+            ((k, part),) = outer_parts(clipper, x, y)
+            assert part.sums_per_record32(torch.float64)
+            u, r = exact_matrices(part)
+            ratios.append(float(r[0] / u[0].norm()))
+            one = torch.ones(1, dtype=torch.float64)
+            err = float((part.total(one, torch.Size([u.shape[1]])).double() - u[0]).norm())
+            worst = max(worst, err / float(u[0].norm()))
+            ratio_sq = written_norm_over_clip_sq(clipper, x, y, 0.37)
+        over += ratio_sq > 1
+    assert min(ratios) > 100  # the steps cancel: R_i >> ||u_i||
+    # the float32 rounding of the per-record matrix exceeds what the clip margin (~1.2e-7) would absorb ...
+    assert worst > 1e-6
+    # ... and is priced: no record written above the radius
+    assert over == 0
+
+
+def test_differences_keep_the_float64_sum(no_materialised, monkeypatch) -> None:
+    """A difference's parts (a rule's own form and parts combined at two points, shared weights too) never
+    form float32 per-record matrices, even with the float32 form forced; a plain sum at one point does."""
+    calls = []
+    original = Outer._record32_total
+
+    def spy(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Outer, "_record32_total", spy)
+    for name in ("sequence-linear", "shared-pieces", "conv-pad1-stride1"):
+        make, width = MODELS[name]
+        torch.manual_seed(1)
+        model = make()
+        x, y = torch.randn(4, width), torch.randn(4)
+        point = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        other = [p + 1e-3 * torch.randn_like(p) for p in point]
+        with cost.forced_sums("record32"):
+            clipper = GhostClipper(model, mse, reuse_recording=True)
+            clipper.clipped_sum(x, y, 1.0, params=point)
+            assert calls, name  # at one point the forced form is taken
+            calls.clear()
+            clipper.clipped_diff_sum(x, y, other, point, 1.0)  # the kept point's parts are combined
+            clipper.clipped_diff_sum(x, y, point, other, 1.0)
+        assert calls == [], name
+    a = Outer([(torch.randn(2, 3, 4), torch.randn(2, 3, 5))], sum_form="record32")
+    assert a.combine(a, None, None).sum_form is None
+
+
+def test_float64_parameters_never_take_the_float32_sum(no_materialised, monkeypatch) -> None:
+    monkeypatch.setattr(Outer, "_record32_total", lambda *a, **k: pytest.fail("a float32 sum for float64"))
+    torch.manual_seed(0)
+    model = SeqLinear().double()
+    x, y = torch.randn(3, 12 * 24, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    with cost.forced_sums("record32"):
+        clipper = GhostClipper(model, mse)
+        clipper.clipped_sum(x, y, 0.1)
+    assert {c.sum_form for c in clipper.choices.values()} == {"float64"}
+
+
+def test_clipped_sums_agree_with_float64_autograd(no_materialised) -> None:
+    """Both sum forms against float64 per-record autograd of the same model: norms and clipped sums."""
+    torch.manual_seed(4)
+    model = SeqLinear()
+    x, y = torch.randn(8, 12 * 24), torch.randn(8)
+    model64 = SeqLinear().double()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    grads = per_sample_grads(model64, mse, x.double(), y.double())
+    flat = torch.cat([g.reshape(8, -1) for g in grads], dim=1)
+    clip = 0.5 * float(flat.norm(dim=1).min())
+    f = torch.clamp(clip / flat.norm(dim=1), max=1.0)
+    want = [torch.einsum("i,i...->...", f, g) for g in grads]
+    for form in cost.SUM_FORMS:
+        with cost.forced_sums(form):
+            clipper = GhostClipper(model, mse)
+            got = clipper.clipped_sum(x, y, clip)
+        assert clipper.choices["lin.weight"].sum_form == form
+        for s, w in zip(got.sums, want):
+            torch.testing.assert_close(s.double(), w, rtol=1e-4, atol=1e-4 * clip)
+
+
+@pytest.mark.parametrize(("shapes", "small", "large"), [
+    ((32, 4608, 512), 64, 256),   # wide maps: float64 wins at few steps, the float32 records at many
+    ((32, 1152, 128), 4, 1024),
+    ((8, 768, 3072), 8, 512),
+])
+def test_the_sum_form_flips_with_the_steps(shapes, small, large) -> None:
+    batch, p, q = shapes
+    assert cost.choose_sum(batch, small, p, q, 4, RATES) == "float64"
+    assert cost.choose_sum(batch, large, p, q, 4, RATES) == "record32"
+    sums = cost.predict_sums(batch, large, p, q, 4, RATES)
+    assert sums["record32"] < sums["float64"]
+    # float64 pieces: never float32; a record's matrix above the chunk: refused
+    assert math.isinf(cost.predict_sums(batch, large, p, q, 8, RATES)["record32"])
+    assert cost.choose_sum(batch, large, 4096, 2048, 4, RATES) == "float64"
+    # the choice is recorded beside the norm form; a materialised part's sum is its matrices'
+    choice = cost.choose(batch, large, p, q, 4, RATES, budget=0.0)
+    assert choice.sum_form == "record32" and choice.sum_seconds == sums
+    assert cost.choose(64, 64, 64, 128, 4, RATES, 2.0**40).sum_form == "materialised"
+
+
+def test_forcing_a_sum_form_checks_its_name() -> None:
+    with pytest.raises(ValueError, match="form"), cost.forced_sums("float16"):
+        pass
