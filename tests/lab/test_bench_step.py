@@ -331,7 +331,9 @@ def test_explain_lists_every_linear_maps_form_and_the_native_share() -> None:
     # the two convolutions and the two linear layers, with B = 4 and a form of the cost model each
     assert [r[0] for r in rows] == ["0.weight", "3.weight", "7.weight", "9.weight"]
     assert all(r[1] == "4" and r[5] in cost.FORMS for r in rows)
-    assert [r[2] for r in rows[2:]] == ["1", "1"] and all(r[6] == "-" for r in rows[2:])  # no steps
+    # the clipped sum's form beside it: the matrices' own for a materialised part, else a SUM_FORMS one
+    assert all(r[6] == "materialised" if r[5] == "materialise" else r[6] in cost.SUM_FORMS for r in rows)
+    assert [r[2] for r in rows[2:]] == ["1", "1"] and all(r[7] == "-" for r in rows[2:])  # no steps
     share = float(text.splitlines()[0].rsplit(" ", 1)[1])
     assert 0.0 < share < 1.0
     with pytest.raises(ValueError, match="host only"):

@@ -937,9 +937,10 @@ def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, 
 def explain(*, cases: Sequence[str] = CASES, batch: int | None = None, device: str = "cpu",
             reduced: bool = False, rounds: int = 3) -> str:
     """Per case, each linear map's (or convolution's) norm form as the ghost clipper chose it for dpvr's
-    DP-SGD step: the shapes ``B, T, p, q``, the form, the predicted milliseconds of every form (``-``:
-    refused by the memory budget or without steps), then the measured native share of the step
-    (``rounds`` steps). Host only: off the host the clipper keeps the memory rule and the native core
+    DP-SGD step: the shapes ``B, T, p, q``, the form, the clipped sum's form (``float64``, ``record32``:
+    each record's float32 matrix summed in float64, or ``materialised``), the predicted milliseconds of
+    every form (``-``: refused by the memory budget or without steps), then the measured native share of
+    the step (``rounds`` steps). Host only: off the host the clipper keeps the memory rule and the native core
     does not run."""
     if not device.startswith("cpu"):
         raise ValueError("--explain: the time-based choice is made on the host only (use --device cpu)")
@@ -950,13 +951,14 @@ def explain(*, cases: Sequence[str] = CASES, batch: int | None = None, device: s
         dpvr_step.dp_sgd()
         share = _native_share(dpvr_step.dp_sgd, rounds)
         lines.append(f"{case.label}: DP-SGD step, native share {share:.2f}")
-        lines.append(f"  {'layer':<40} {'B':>5} {'T':>6} {'p':>6} {'q':>6} {'form':<12} "
+        lines.append(f"  {'layer':<40} {'B':>5} {'T':>6} {'p':>6} {'q':>6} {'form':<12} {'sum':<12} "
                      + " ".join(f"{f + ' ms':>14}" for f in _FORMS))
         for layer, choice in dpvr_step.ghost.choices.items():
             b, t, p, q = choice.shapes
             ms = ["-" if math.isinf(choice.seconds[f]) else f"{1e3 * choice.seconds[f]:.3f}" for f in _FORMS]
             predicted = " ".join(f"{m:>14}" for m in ms)
-            lines.append(f"  {layer:<40} {b:>5} {t:>6} {p:>6} {q:>6} {choice.form:<12} {predicted}")
+            lines.append(f"  {layer:<40} {b:>5} {t:>6} {p:>6} {q:>6} {choice.form:<12} {choice.sum_form:<12} "
+                         f"{predicted}")
         if not dpvr_step.ghost.choices:
             lines.append("  (no linear map or convolution clipped from its activations)")
         del case
