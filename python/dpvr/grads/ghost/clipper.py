@@ -5,6 +5,7 @@ clipped sums (see the package docstring)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -737,6 +738,8 @@ class GhostClipper:
                 m = part.pieces[0][0]
                 choice = cost.choose(m.shape[0], steps * len(part.pieces), p, q, m.element_size(),
                                      budget=room - spent)
+            if choice.form != "materialise":  # shown as what runs: a difference sums in float64
+                choice = dataclasses.replace(choice, sum_form="float64")
             self.choices[f"{layer.name}.{attr} (difference)"] = choice
             if choice.form != "materialise":
                 part.norm_form = choice.form
