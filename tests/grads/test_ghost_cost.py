@@ -26,7 +26,8 @@ def test_predictions_follow_the_formulas() -> None:
     assert sums["float64"] == pytest.approx(
         2 * b * t * p * q / RATES.matmul64 + b * t * (p + q) * (4 + 16) / RATES.bandwidth, rel=1e-12)
     assert sums["record32"] == pytest.approx(
-        2 * b * t * p * q / RATES.matmul32 + b * p * q * 24 / RATES.bandwidth, rel=1e-12)
+        2 * b * t * p * q / RATES.matmul32 + (b * p * q * 24 + 2 * b * t * (p + q) * 4) / RATES.bandwidth,
+        rel=1e-12)
     total64 = min(sums.values())
     assert got["gram"] == pytest.approx(b * t * (t + 1) / 2 * (p + q) / RATES.gram + total64, rel=1e-12)
     assert got["direct"] == pytest.approx(b * t * p * q / RATES.direct + total64, rel=1e-12)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from dpvr import ops
 from dpvr.grads import GhostClipper, per_sample_grads
 from dpvr.grads.ghost import cost, norms
 from dpvr.grads.ghost.linear import ConvOuter
@@ -357,3 +358,28 @@ def test_the_sum_form_flips_with_the_steps(shapes, small, large) -> None:
 def test_forcing_a_sum_form_checks_its_name() -> None:
     with pytest.raises(ValueError, match="form"), cost.forced_sums("float16"):
         pass
+
+
+def test_denormal_inputs_flushed_to_zero_are_priced() -> None:
+    """Under flush-to-zero and denormals-are-zero (``torch.set_flush_denormal``), denormal activations are
+    read as zeros by the float32 matmul: the record's matrix is written as 0 while its exact value is not.
+    The bound's absolute term (``mu sqrt(p q) K (A_i + B_i)``) covers that; ``gamma_K R_i`` alone is ten
+    million times too small here."""
+    torch.manual_seed(0)
+    batch, steps, p, q = 2, 4, 8, 8
+    m, n = torch.randn(batch, steps, p) * 1e-39, torch.randn(batch, steps, q) * 1e30
+    part = Outer([(m, n)], sum_form="record32")
+    u, r = exact_matrices(part)
+    with ops.torch_threads(1):
+        if not torch.set_flush_denormal(True):
+            pytest.skip("no flush-to-zero mode on this host")
+        try:
+            written = [part.total(torch.eye(batch, dtype=torch.float64)[i], torch.Size([q * p]))
+                       for i in range(batch)]
+        finally:
+            torch.set_flush_denormal(False)
+    error = norms.record32_error(part, batch, torch.device("cpu"))
+    for i in range(batch):
+        gap = float((written[i] - u[i]).norm())
+        assert gap > 1e6 * steps * U32 * float(r[i])  # the relative term alone would not cover it
+        assert gap <= float(error[i])

@@ -45,7 +45,8 @@ at one parameter point:
   the chunks hold at most :data:`RECORD32_ENTRIES` float32 entries, and a record whose matrix is larger
   is refused), then ``sum_i f_i w_i`` in float64 (:func:`~dpvr.grads.ghost.rules.weighted_sum64`: the
   factors and entries widened exactly, a column block at a time): :data:`RECORD32_ENTRY_TRAFFIC` bytes
-  per entry of ``w_i`` at the copy rate. Its rounding, ``gamma_K`` of the part's ``R_i`` with the float32
+  per entry of ``w_i`` at the copy rate, and two more reads of the pieces (their largest entries, which
+  the rounding bound reads). Its rounding, ``gamma_K`` of the part's ``R_i`` with the float32
   unit, is priced per part by :func:`~dpvr.grads.ghost.norms.write_error`. A difference's part
   (:meth:`~dpvr.grads.ghost.rules.Outer.combine`, a rule's own difference) keeps the float64 sum: its
   ``R_i`` is relative to the two points' terms, which may nearly cancel, so ``gamma_K R_i`` could exceed
@@ -192,7 +193,9 @@ def predict_sums(batch: int, steps: int, p: int, q: int, itemsize: int, rates: R
     record32 = float("inf")
     # (the float32 rounding bound needs K u < 1/2: far more steps than any layer has)
     if itemsize == 4 and p * q <= RECORD32_ENTRIES and steps * 2.0 ** -24 < 0.25:
-        record32 = flops / rates.matmul32 + b * p * q * RECORD32_ENTRY_TRAFFIC / rates.bandwidth
+        # ... and the pieces read twice more for their largest entries (the rounding bound's underflow term)
+        traffic = b * p * q * RECORD32_ENTRY_TRAFFIC + 2.0 * b * t * (p + q) * itemsize
+        record32 = flops / rates.matmul32 + traffic / rates.bandwidth
     return {"float64": float64, "record32": record32}
 
 
