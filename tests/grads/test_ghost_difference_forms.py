@@ -51,8 +51,8 @@ def _forced(monkeypatch, at_point: str, at_difference: str) -> None:
     (the choice is made from the steps the part spans: a point's ``STEPS - 2``, a difference's twice that)."""
     real = cost.choose
 
-    def choose(batch, steps, p, q, itemsize, rates=None, budget=None):
-        got = real(batch, steps, p, q, itemsize, rates, budget)
+    def choose(batch, steps, p, q, itemsize, rates=None, budget=None, **kwargs):
+        got = real(batch, steps, p, q, itemsize, rates, budget, **kwargs)
         return dataclasses.replace(got, form=at_difference if steps > STEPS else at_point)
 
     monkeypatch.setattr(cost, "choose", choose)

@@ -356,7 +356,7 @@ def test_explain_shows_the_float32_gram_form() -> None:
     header = lines[1].split()
     assert header[-2:] == ["gram32", "ms"] and len(cost.FORMS) == 5
     rows = [line.split() for line in lines[2:]]
-    assert rows and all(len(r) == 6 + len(cost.FORMS) for r in rows)
+    assert rows and all(len(r) == 7 + len(cost.FORMS) for r in rows)  # name, B, T, p, q, form, sum
     steps = {r[0]: int(r[2]) for r in rows}
     # float32 layers with steps have a finite gram32 prediction; one-step layers too (Gram of one entry)
     assert all(r[-1] != "-" for r in rows) and max(steps.values()) > 1

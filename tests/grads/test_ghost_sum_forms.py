@@ -299,6 +299,8 @@ def test_differences_keep_the_float64_sum(no_materialised, monkeypatch) -> None:
             clipper.clipped_diff_sum(x, y, other, point, 1.0)  # the kept point's parts are combined
             clipper.clipped_diff_sum(x, y, point, other, 1.0)
         assert calls == [], name
+        shown = {c.sum_form for key, c in clipper.choices.items() if key.endswith("(difference)")}
+        assert shown <= {"float64", "materialised"}, name  # the choice shows the sum that runs
     a = Outer([(torch.randn(2, 3, 4), torch.randn(2, 3, 5))], sum_form="record32")
     assert a.combine(a, None, None).sum_form is None
 

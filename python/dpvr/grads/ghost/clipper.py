@@ -5,7 +5,6 @@ clipped sums (see the package docstring)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -732,14 +731,12 @@ class GhostClipper:
             if not isinstance(part, Outer):
                 continue
             if part.by_convolution:  # its steps are read from the recorded calls
-                choice = part.choice(room - spent)
+                choice = part.choice(room - spent, difference=True)
             else:  # each piece spans a point's recorded steps
                 steps, p, q = part.sizes()
                 m = part.pieces[0][0]
                 choice = cost.choose(m.shape[0], steps * len(part.pieces), p, q, m.element_size(),
-                                     budget=room - spent)
-            if choice.form != "materialise":  # shown as what runs: a difference sums in float64
-                choice = dataclasses.replace(choice, sum_form="float64")
+                                     budget=room - spent, difference=True)
             self.choices[f"{layer.name}.{attr} (difference)"] = choice
             if choice.form != "materialise":
                 part.norm_form = choice.form

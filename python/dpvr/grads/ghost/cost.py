@@ -157,11 +157,14 @@ def direct_budget_bytes() -> float:
 
 
 def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
-            budget: float) -> dict[str, float]:
-    """Predicted seconds of each form for an Outer part of these shapes (see the module docstring)."""
+            budget: float, *, difference: bool = False) -> dict[str, float]:
+    """Predicted seconds of each form for an Outer part of these shapes (see the module docstring); the
+    non-materialised forms pay the clipped sum's form that :func:`choose` takes (``difference``: a
+    difference's part, whose sum is always ``"float64"``)."""
     b, t = float(batch), float(steps)
     entries = b * p * q
-    float64_sum = min(predict_sums(batch, steps, p, q, itemsize, rates).values())  # the sum form chosen
+    sums = predict_sums(batch, steps, p, q, itemsize, rates)
+    float64_sum = sums["float64" if difference else _sum_form(sums)]
     materialise = float("inf")
     if steps > 1 and entries * (itemsize + 8) <= budget:
         # the batched matmul; then write the matrices, read them for the norms, widen them for the sum
@@ -225,14 +228,17 @@ def gram32_scratch(budget: float) -> float:
 
 
 def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates | None = None,
-           budget: float | None = None) -> Choice:
-    """The fastest form of an Outer part with these shapes (ties: the first of :data:`FORMS`)."""
+           budget: float | None = None, *, difference: bool = False) -> Choice:
+    """The fastest form of an Outer part with these shapes (ties: the first of :data:`FORMS`) and its
+    clipped sum's form; ``difference``: a difference's part (two points' pieces), whose sum is always
+    ``"float64"`` (its ``R_i`` is relative to the two points, see
+    :meth:`~dpvr.grads.ghost.rules.Outer.combine`)."""
     rates = machine_rates() if rates is None else rates
     budget = direct_budget_bytes() if budget is None else budget
-    seconds = predict(batch, steps, p, q, itemsize, rates, budget)
+    seconds = predict(batch, steps, p, q, itemsize, rates, budget, difference=difference)
     form = min(FORMS, key=lambda f: seconds[f])
     sums = predict_sums(batch, steps, p, q, itemsize, rates)
-    sum_form = "materialised" if form == "materialise" else _sum_form(sums)
+    sum_form = "materialised" if form == "materialise" else "float64" if difference else _sum_form(sums)
     return Choice(form, seconds, (batch, steps, p, q), itemsize, sum_form, sums)
 
 

@@ -168,9 +168,9 @@ class ConvOuter(Outer):
         x = self.raw[0][0][0]
         return x.shape[0], steps, p, q, x.element_size()
 
-    def choice(self, budget: float | None = None) -> cost.Choice:
+    def choice(self, budget: float | None = None, difference: bool = False) -> cost.Choice:
         """As :meth:`Outer.choice`, from :meth:`shapes`: never unfolds the patches."""
-        return cost.choose(*self.shapes(), budget=budget)
+        return cost.choose(*self.shapes(), budget=budget, difference=difference)
 
     def piece_dtype(self) -> torch.dtype:
         return self.raw[0][0][0].dtype

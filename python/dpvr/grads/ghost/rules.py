@@ -220,11 +220,12 @@ class Outer:
         total = steps + sum(mj.shape[1] if mj.dim() == 3 else 1 for mj, _ in self.pieces[1:])
         return m.shape[0], total, p, q, m.element_size()
 
-    def choice(self, budget: float | None = None) -> cost.Choice:
+    def choice(self, budget: float | None = None, difference: bool = False) -> cost.Choice:
         """The form of this part's norms predicted fastest on this machine (:func:`cost.choose`, under
-        ``budget`` bytes for the materialised form: default the whole budget), and of its clipped sum, from
-        its shapes alone (:meth:`shapes`; read from the pieces here, whatever a subclass reads)."""
-        return cost.choose(*Outer.shapes(self), budget=budget)
+        ``budget`` bytes for the materialised form: default the whole budget), and of its clipped sum
+        (``difference``: always float64), from its shapes alone (:meth:`shapes`; read from the pieces here,
+        whatever a subclass reads)."""
+        return cost.choose(*Outer.shapes(self), budget=budget, difference=difference)
 
     def sum_choice(self) -> str:
         """The form of this part's clipped sum predicted fastest (:func:`cost.choose_sum`), from
