@@ -183,7 +183,8 @@ def test_a_convolution_unfolded_by_chunk_of_records_agrees(no_materialised) -> N
 
 def test_chunks_of_records_add_up_to_the_whole(no_materialised, monkeypatch) -> None:
     """Records in chunks of two (the chunk's buffer, then the float64 addition of each chunk's weighted
-    sum): each record's term unchanged, the sum within float64 roundings of one chunk's."""
+    sum): each record's term unchanged, the sum within float64 roundings of one chunk's; a record's matrix
+    in blocks of rows: within the priced bound."""
     torch.manual_seed(3)
     model = SeqLinear()
     x, y = torch.randn(7, 12 * 24), torch.randn(7)
@@ -193,13 +194,21 @@ def test_chunks_of_records_add_up_to_the_whole(no_materialised, monkeypatch) -> 
     shape = torch.Size([20 * 24])
     whole = part.total(f, shape).clone()
     terms = [part.total(torch.eye(7, dtype=torch.float64)[i], shape).clone() for i in range(7)]
+    scale = sum(f[i] * terms[i].abs() for i in range(7))
+    assert not torch.equal(scale, torch.zeros_like(scale))
     monkeypatch.setattr(cost, "RECORD32_ENTRIES", 2 * 20 * 24)  # two records per chunk: four chunks
     chunked = part.total(f, shape)
     for i in range(7):
         assert torch.equal(part.total(torch.eye(7, dtype=torch.float64)[i], shape), terms[i])
-    scale = sum(f[i] * terms[i].abs() for i in range(7))
     assert ((chunked - whole).abs() <= 16 * U64 * scale).all()
-    assert not torch.equal(scale, torch.zeros_like(scale))
+    # a record's matrix larger than a chunk: 3 of its 20 rows at a time, each term within the priced bound
+    monkeypatch.setattr(cost, "RECORD32_ENTRIES", 3 * 24)
+    error = norms.write_error([(k, part)], 7, torch.float32, torch.device("cpu"), accumulate=torch.float64)
+    u, r = exact_matrices(part)
+    for i in range(7):
+        gap = (part.total(torch.eye(7, dtype=torch.float64)[i], shape).double() - u[i]).norm()
+        assert float(gap) <= float(error[i] + 1e-12 * r[i])
+    assert float((part.total(f, shape) - whole).norm()) <= 2 * float(f @ error)
 
 
 class TiedHead(nn.Module):
@@ -348,9 +357,8 @@ def test_the_sum_form_flips_with_the_steps(shapes, small, large) -> None:
     assert cost.choose_sum(batch, large, p, q, 4, RATES) == "record32"
     sums = cost.predict_sums(batch, large, p, q, 4, RATES)
     assert sums["record32"] < sums["float64"]
-    # float64 pieces: never float32; a record's matrix above the chunk: refused
+    # float64 pieces: never float32
     assert math.isinf(cost.predict_sums(batch, large, p, q, 8, RATES)["record32"])
-    assert cost.choose_sum(batch, large, 4096, 2048, 4, RATES) == "float64"
     # the choice is recorded beside the norm form; a materialised part's sum is its matrices'
     choice = cost.choose(batch, large, p, q, 4, RATES, budget=0.0)
     assert choice.sum_form == "record32" and choice.sum_seconds == sums

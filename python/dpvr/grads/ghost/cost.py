@@ -42,9 +42,10 @@ at one parameter point:
   in float64 and read again, at the copy rate);
 - ``"record32"`` (float32 parameters only): each record's matrix ``w_i = fl32(sum_t n_it m_it^T)`` by a
   batched float32 matmul over a chunk of records (``2 B T p q`` flops at the batched float32 matmul rate;
-  the chunks hold at most :data:`RECORD32_ENTRIES` float32 entries, and a record whose matrix is larger
-  is refused), then ``sum_i f_i w_i`` in float64 (:func:`~dpvr.grads.ghost.rules.weighted_sum64`: the
-  factors and entries widened exactly, a column block at a time): :data:`RECORD32_ENTRY_TRAFFIC` bytes
+  the chunks hold at most :data:`RECORD32_ENTRIES` float32 entries, a record whose matrix is larger a
+  block of its rows at a time), then ``sum_i f_i w_i`` in float64
+  (:func:`~dpvr.grads.ghost.rules.weighted_sum64`: the factors and entries widened exactly, a column
+  block at a time): :data:`RECORD32_ENTRY_TRAFFIC` bytes
   per entry of ``w_i`` at the copy rate, and two more reads of the pieces (their largest entries, which
   the rounding bound reads). Its rounding, ``gamma_K`` of the part's ``R_i`` with the float32
   unit, is priced per part by :func:`~dpvr.grads.ghost.norms.write_error`. A difference's part
@@ -100,7 +101,7 @@ DEFAULT_DIRECT_MIB = 256.0
 SUM_FORMS = ("float64", "record32")
 # float32 entries of one chunk's per-record matrices of the "record32" sum (16 MiB): below the C library's
 # threshold for mapping fresh pages, so the chunk's buffer is reused without page faults; one record's
-# matrix larger than this is refused the form.
+# matrix larger than this is formed a block of its rows at a time.
 RECORD32_ENTRIES = 1 << 22
 # bytes moved per entry of a record's float32 matrix: written and read (8), its float64 block written and
 # read in cache (16); matches the weighted column-block sum's measured rate on a 2-core AVX-512 host.
@@ -187,15 +188,14 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
 
 def predict_sums(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates) -> dict[str, float]:
     """Predicted seconds of each clipped-sum form (:data:`SUM_FORMS`) of a non-materialised Outer part of
-    these shapes (see the module docstring); ``inf``: not applicable (float64 pieces, or one record's
-    matrix above :data:`RECORD32_ENTRIES`)."""
+    these shapes (see the module docstring); ``inf``: not applicable (float64 pieces)."""
     b, t = float(batch), float(steps)
     flops = 2.0 * b * t * p * q
     widen = b * t * (p + q) * (itemsize + WIDEN_ENTRY_TRAFFIC) if itemsize != 8 else 0.0
     float64 = flops / rates.matmul64 + widen / rates.bandwidth
     record32 = float("inf")
     # (the float32 rounding bound needs K u < 1/2: far more steps than any layer has)
-    if itemsize == 4 and p * q <= RECORD32_ENTRIES and steps * 2.0 ** -24 < 0.25:
+    if itemsize == 4 and steps * 2.0 ** -24 < 0.25:
         # ... and the pieces read twice more for their largest entries (the rounding bound's underflow term)
         traffic = b * p * q * RECORD32_ENTRY_TRAFFIC + 2.0 * b * t * (p + q) * itemsize
         record32 = flops / rates.matmul32 + traffic / rates.bandwidth
@@ -260,9 +260,9 @@ _forced_sums: list[str] = []
 
 @contextlib.contextmanager
 def forced_sums(form: str) -> Iterator[None]:
-    """Within the block, every non-materialised part's clipped sum takes ``form`` (:data:`SUM_FORMS`) where
-    it applies (``"record32"`` needs float32 pieces and a record's matrix within :data:`RECORD32_ENTRIES`;
-    elsewhere ``"float64"``), whatever the rates predict: tests and same-run comparisons of the two."""
+    """Within the block, every non-materialised part's clipped sum at one point takes ``form``
+    (:data:`SUM_FORMS`) where it applies (``"record32"`` needs float32 pieces; elsewhere ``"float64"``),
+    whatever the rates predict: tests and same-run comparisons of the two."""
     if form not in SUM_FORMS:
         raise ValueError(f"form: must be one of {SUM_FORMS}, got {form!r}")
     _forced_sums.append(form)

@@ -163,10 +163,10 @@ class Outer:
         """``sum_i f_i w_i`` in float64 with ``w_i = fl32(sum_t n_it m_it^T)``: each record's ``(q, p)``
         matrix from one float32 matmul over all its steps (the pieces' steps joined), a chunk of records at
         a time by a batched matmul into one reused buffer of at most
-        :data:`~dpvr.grads.ghost.cost.RECORD32_ENTRIES` entries (one record at least), then the chunk's
-        weighted sum added in float64 (:func:`weighted_sum64`: the float32 factors and entries widened
-        exactly, so every product ``f_i w_i`` is exact and only the additions over records round, in
-        float64).
+        :data:`~dpvr.grads.ghost.cost.RECORD32_ENTRIES` entries (a record whose matrix is larger: a block of
+        its rows at a time, each entry the same sum of ``K`` products), then the chunk's weighted sum added
+        in float64 (:func:`weighted_sum64`: the float32 factors and entries widened exactly, so every
+        product ``f_i w_i`` is exact and only the additions over records round, in float64).
 
         Each record's matrix is computed from that record's pieces only (one matmul per record of the
         batched product), so what one record contributes, ``f_i w_i``, does not depend on the other
@@ -176,14 +176,18 @@ class Outer:
         batch = f.shape[0]
         _, p, q = self.sizes()
         size = min(batch, max(1, cost.RECORD32_ENTRIES // max(p * q, 1)))
-        buffer = torch.empty(size, q, p, dtype=torch.float32, device=f.device)
+        block = min(q, max(1, cost.RECORD32_ENTRIES // max(p, 1)))  # rows of a record's matrix at a time
+        buffer = torch.empty(size * block * p, dtype=torch.float32, device=f.device)
         total = (torch.empty(q * p, dtype=f.dtype, device=f.device) if out is None else out.view(-1))
         for start in range(0, batch, size):
             rows = slice(start, min(start + size, batch))
-            chunk = buffer[:rows.stop - rows.start]
+            b = rows.stop - rows.start
             m, n = self._steps_of(rows)
-            torch.bmm(n.transpose(1, 2), m, out=chunk)
-            weighted_sum64(f[rows], chunk.view(chunk.shape[0], -1), total, accumulate=start > 0)
+            for lo in range(0, q, block):
+                hi = min(lo + block, q)
+                chunk = buffer[:b * (hi - lo) * p].view(b, hi - lo, p)
+                torch.bmm(n[:, :, lo:hi].transpose(1, 2), m, out=chunk)
+                weighted_sum64(f[rows], chunk.view(b, -1), total[lo * p:hi * p], accumulate=start > 0)
         return total.view(shape)
 
     def _steps_of(self, rows: slice) -> tuple[Tensor, Tensor]:
