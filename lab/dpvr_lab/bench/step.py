@@ -615,7 +615,8 @@ class _Dpvr:
             sums = [torch.zeros_like(p) for p in self.flat]
             ops.clip_accumulate_diff(grads, grads_prev, radius, sums)
         else:
-            sums = self.ghost.clipped_diff_sum(x, y, now, before, radius).sums
+            # float64 up to the noise, as the algorithms' difference rounds release them (ClippedGradients)
+            sums = self.ghost.clipped_diff_sum(x, y, now, before, radius, wide=True).sums
         self._update(sums, radius, reset=False, stream="difference")
 
 
