@@ -58,6 +58,19 @@ class Gpt2(nn.Module):
         return self.gpt2(tokens).logits
 
 
+class ReadsTwoColumns(nn.Module):
+    """A classifier from the tied head's first two columns at the last position (as the step benchmark's
+    GPT-2): the head's output gradients are zero in every other column, whose rows of the clipped sum are
+    left out (:func:`dpvr.grads.ghost.rules.read_columns`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TiedLanguageModel()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.lm(tokens)[:, -1, :2]
+
+
 class TiedLinear(nn.Module):
     """Two Linears holding one weight, one of them at several steps."""
 
@@ -136,6 +149,8 @@ CASES = {
                           lambda: tokens(8, 9), Dense),
     "gpt2": (Gpt2, lambda: tokens(40, 7), lambda: tokens(40, 7), Tied),
     "gpt2-prompt-ignored": (Gpt2, lambda: tokens(40, 7), lambda: prompt_ignored(40, 7), Tied),
+    "head-read-at-two-columns": (ReadsTwoColumns, lambda: tokens(40), lambda: torch.randint(0, 2, (BATCH,)),
+                                 Tied),
     "prompt-ignored": (TiedLanguageModel, lambda: tokens(40), lambda: prompt_ignored(40, 5), Tied),
     "two-linears": (TiedLinear, lambda: torch.randn(BATCH, 2, 5), lambda: torch.randint(0, 5, (BATCH, 2)),
                     Outer),
@@ -386,6 +401,38 @@ def test_steps_no_sample_reads_are_left_out_on_the_host() -> None:
     assert read_steps(m, torch.randn(3, 5, 2))[0] is m  # every step read: the tensors themselves
     full = Outer([(m, n)])
     torch.testing.assert_close(Outer([(kept_m, kept_n)]).per_sample(), full.per_sample())
+
+
+def test_rows_no_sample_reads_are_left_out_of_a_heads_sum_on_the_host() -> None:
+    from dpvr.grads.ghost.rules import read_columns
+
+    torch.manual_seed(0)
+    m, n = torch.randn(3, 4, 5), torch.zeros(3, 4, 40)
+    n[:, :, 7] = torch.randn(3, 4)
+    n[2, 1, 31] = -0.5  # one sample at one step, negative: kept
+    assert read_columns(n, 5).tolist() == [7, 31]
+    assert read_columns(n, 10) is None  # a map not over four times wider than its input: not scanned
+    assert read_columns(torch.zeros(3, 4, 40), 5).numel() == 0
+    assert Outer([(m, n)]).read_rows().tolist() == [7, 31]
+    n2 = torch.zeros(3, 2, 40)
+    n2[0, 1, 3] = 1.0  # the rows of several pieces are joined
+    assert Outer([(m, n), (m[:, :2], n2)]).read_rows().tolist() == [3, 7, 31]
+    n[:, 0, :10] = 1.0  # a quarter or more of the rows reached: the whole product
+    assert read_columns(n, 5).numel() == 11 and Outer([(m, n)]).read_rows() is None
+    n[:, 0, :10] = 0.0
+    f = torch.rand(3, dtype=torch.float64)
+    dense = (n.double() * f.view(3, 1, 1)).reshape(-1, 40).t() @ m.double().reshape(-1, 5)
+    for out in (None, torch.full((200,), float("nan"), dtype=torch.float64)):
+        total = Outer([(m, n)]).total(f, torch.Size([40, 5]), out=out)
+        torch.testing.assert_close(total, dense, rtol=1e-15, atol=0)
+        assert (total[[i for i in range(40) if i not in (7, 31)]] == 0).all()  # written, not left as it was
+        assert out is None or total.data_ptr() == out.data_ptr()
+    # a second piece that reads every column adds to the rows formed by the first
+    n2 = torch.randn(3, 2, 40)
+    m2 = torch.randn(3, 2, 5)
+    both = Outer([(m, n), (m2, n2)]).total(f, torch.Size([40, 5]))
+    torch.testing.assert_close(both, dense + (n2.double() * f.view(3, 1, 1)).reshape(-1, 40).t()
+                               @ m2.double().reshape(-1, 5), rtol=1e-13, atol=1e-15)
 
 
 def test_choices_from_the_sizes_ignore_the_steps_left_out() -> None:

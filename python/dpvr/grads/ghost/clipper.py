@@ -912,7 +912,8 @@ class GhostClipper:
             for j, (k, p) in enumerate(parts):
                 f = wide_factors[j] if isinstance(wide_factors, list) else wide_factors
                 shape = self._named[k][1].shape
-                out = self._pooled(shape.numel()) if type(p) is Outer and self.backend == "native" else None
+                pooled = type(p) in (Outer, Tied) and self.backend == "native"
+                out = self._pooled(shape.numel()) if pooled else None
                 total = p.total(f, shape) if out is None else p.total(f, shape, out=out)
                 sums[k] = total if wide else total.to(dtype)
         zeros = torch.float64 if wide else dtype

@@ -62,6 +62,24 @@ def summed(ts: Sequence[Tensor]) -> Tensor:
     return functools.reduce(torch.add, ts)
 
 
+def read_columns(n: Tensor, width: int) -> Tensor | None:
+    """The indices of the columns of output gradients ``n`` (``(B, T, q)`` or ``(B, q)``) that are nonzero for
+    some sample and step; None for a map whose output is at most four times its input ``width`` (the scan
+    costs about ``1 / (2 p)`` of the product per entry: worth it for an output head) or off the host (there
+    the count would cost a device synchronisation).
+
+    A column that is zero everywhere is a row of the ``(q, p)`` clipped sum that every term leaves at zero
+    (a head read at a few columns: a classifier's label tokens), so only the other rows need forming: each is
+    a sum of the same terms (in whatever order the product takes, which the bound of
+    :func:`~dpvr.grads.ghost.norms.write_error` allows) and a row left out is an exact zero (where the whole
+    product may write a zero of either sign). Which columns are kept depends on the values; the sum does
+    not, only the time does (as with :func:`~dpvr.grads.ghost.linear.read_steps`)."""
+    q = n.shape[-1]
+    if n.device.type != "cpu" or q <= 4 * width:
+        return None
+    return n.reshape(-1, q).ne(0).any(dim=0).nonzero().view(-1)
+
+
 def same_tensor(x: Tensor, y: Tensor) -> bool:
     """Whether two recorded tensors are the same memory (the model input reaches the first layer at both
     points as one tensor). A value comparison would cost a device synchronisation per layer and step."""
@@ -130,7 +148,11 @@ class Outer:
         """``sum_i f_i u_i``, computed in ``f``'s dtype (the pieces are widened to it: a float64 ``f`` sums
         over records in float64; see :meth:`GhostClipper._clip`). ``out``: a contiguous tensor of ``f``'s
         dtype with as many entries, written with the same products (the values do not depend on it).
-        With :attr:`sum_form` ``"record32"`` (:meth:`sums_per_record32`): :meth:`_record32_total`."""
+        With :attr:`sum_form` ``"record32"`` (:meth:`sums_per_record32`): :meth:`_record32_total`. Rows
+        that no term can reach are left out (:meth:`read_rows`)."""
+        rows = self.read_rows()
+        if rows is not None:
+            return self._rows_total(rows, f, shape, out)
         if self.sums_per_record32(f.dtype):
             return self._record32_total(f, shape, out)
         total = None
@@ -146,6 +168,29 @@ class Outer:
             else:
                 total = left @ right
         return total.reshape(shape)
+
+    def read_rows(self) -> Tensor | None:
+        """The rows of the ``(q, p)`` matrix that some piece's output gradients reach, when that is under a
+        quarter of them (:func:`read_columns`, joined over the pieces); else None."""
+        _, p, q = self.sizes()
+        kept = [read_columns(n, p) for _, n in self.pieces]
+        if any(k is None for k in kept):
+            return None
+        rows = torch.cat(kept).unique()
+        return rows if 4 * rows.numel() < q else None
+
+    def _rows_total(self, rows: Tensor, f: Tensor, shape: torch.Size, out: Tensor | None) -> Tensor:
+        """:meth:`total` with only ``rows`` formed (the others are exact zeros), each by the part's own sum
+        form over the pieces' columns ``rows``: the same terms per entry, so the bound that
+        :func:`~dpvr.grads.ghost.norms.write_error` prices for the whole part (the same ``R_i`` and ``K``,
+        and a larger ``p q``) covers it."""
+        _, p, q = self.sizes()
+        total = (out.view(q, p) if out is not None
+                 else torch.empty(q, p, dtype=f.dtype, device=f.device)).zero_()
+        if rows.numel():
+            part = Outer([(m, n[..., rows]) for m, n in self.pieces], sum_form=self.sum_form)
+            total.index_copy_(0, rows, part.total(f, torch.Size([rows.numel(), p])))
+        return total.view(shape)
 
     def piece_dtype(self) -> torch.dtype:
         """The dtype of the recorded pieces."""
