@@ -459,3 +459,21 @@ def test_repeated_difference_rounds_on_a_classifier_from_the_last_position() -> 
         round_ = step._restarted(case, **options).diff_round
         for _ in range(3):
             round_()
+
+
+@pytest.mark.parametrize("name", ["embedding-head", "head-read-at-two-columns"])
+def test_tied_sums_written_into_kept_buffers_are_unchanged(name, monkeypatch) -> None:
+    """A tied part's float64 sum goes into the clipper's kept buffers (the threshold lowered to 0) with the
+    same values as a fresh one, the head's rows left out or not."""
+    monkeypatch.setenv(cost.BUDGET_ENV, "0")  # the ghost (Tied) part
+    model, x, y, _ = build(name, torch.float32)
+    table = model.lm.embedding.weight if name != "embedding-head" else model.embedding.weight
+    got = {}
+    for pooled in (0, 1 << 60):
+        monkeypatch.setattr(clipper, "POOLED_BYTES", pooled)
+        ghost = GhostClipper(model, sequence_loss)
+        sums = [ghost.clipped_sum(x, y, 0.5, wide=True).sums for _ in range(2)]
+        assert (table.numel() in ghost._pool) == (pooled == 0)
+        got[pooled] = sums
+    for a, b in zip(got[0], got[1 << 60]):
+        assert all(torch.equal(s, t) for s, t in zip(a, b))

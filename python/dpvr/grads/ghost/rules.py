@@ -456,8 +456,9 @@ class Tied:
     rows: Rows
     outer: Outer
 
-    def total(self, f: Tensor, shape: torch.Size) -> Tensor:
-        out = self.outer.total(f, shape)
+    def total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
+        """``sum_i f_i u_i`` (as :meth:`Outer.total`, whose ``out`` it writes)."""
+        out = self.outer.total(f, shape, out=out)
         for k, n in self.rows.pieces:
             out.index_add_(0, k.reshape(-1), scale_rows(n.to(f.dtype), f).reshape(-1, n.shape[-1]))
         return out
