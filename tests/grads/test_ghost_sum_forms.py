@@ -108,6 +108,20 @@ def no_materialised(monkeypatch):
         yield
 
 
+@pytest.fixture
+def record32_calls(monkeypatch) -> list[str]:
+    """The class names of the parts whose clipped sum formed float32 per-record matrices, in call order."""
+    calls: list[str] = []
+    original = Outer._record32_total
+
+    def spy(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Outer, "_record32_total", spy)
+    return calls
+
+
 def outer_parts(clipper: GhostClipper, x: Tensor, y: Tensor, point=None) -> list[tuple[int, Outer]]:
     """The Outer parts (a Tied part's map too) of a recorded point, as the clipper forms them."""
     rec = clipper._record(x, y, point, "params")
@@ -261,17 +275,9 @@ def test_a_record_at_the_radius_written_alone_stays_within_it_where_its_steps_ca
     assert over == 0
 
 
-def test_a_tied_record_at_the_radius_written_alone_stays_within_it(no_materialised, monkeypatch) -> None:
+def test_a_tied_record_at_the_radius_written_alone_stays_within_it(no_materialised, record32_calls) -> None:
     """A tied embedding and head: its map's sum per record in float32 (priced inside the Tied part's
     E), its rows added in float64; one record clipped at 0.37 of its norm is written within C."""
-    took = []
-    original = Outer._record32_total
-
-    def spy(self, *args, **kwargs):
-        took.append(type(self).__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Outer, "_record32_total", spy)
     for seed in range(8):
         torch.manual_seed(seed)
         model = TiedHead()
@@ -279,20 +285,13 @@ def test_a_tied_record_at_the_radius_written_alone_stays_within_it(no_materialis
         with cost.forced_sums("record32"):
             ratio_sq = written_norm_over_clip_sq(GhostClipper(model, mse), x, y, 0.37)
         assert ratio_sq <= 1, seed
-    assert took
+    assert record32_calls
 
 
-def test_differences_keep_the_float64_sum(no_materialised, monkeypatch) -> None:
+def test_differences_keep_the_float64_sum(no_materialised, record32_calls) -> None:
     """A difference's parts (a rule's own form and parts combined at two points, shared weights too) never
     form float32 per-record matrices, even with the float32 form forced; a plain sum at one point does."""
-    calls = []
-    original = Outer._record32_total
-
-    def spy(self, *args, **kwargs):
-        calls.append(type(self).__name__)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Outer, "_record32_total", spy)
+    calls = record32_calls
     for name in ("sequence-linear", "shared-pieces", "conv-pad1-stride1"):
         make, width = MODELS[name]
         torch.manual_seed(1)
