@@ -392,3 +392,27 @@ def test_denormal_inputs_flushed_to_zero_are_priced() -> None:
         gap = float((written[i] - u[i]).norm())
         assert gap > 1e6 * steps * U32 * float(r[i])  # the relative term alone would not cover it
         assert gap <= float(error[i])
+
+
+def test_a_records_float32_matrix_does_not_follow_the_steps_its_neighbours_read() -> None:
+    """A neighbour that reads steps no other record reads changes the steps the batch keeps
+    (:func:`read_steps`); each other record's float32 matrix, and so its term of the sum, stays bit for bit
+    (one matmul over the record's own read steps). A batched product over the kept steps changes on these
+    shapes (a matmul orders its float32 additions by shape), which is what the test would catch."""
+    from dpvr.grads.ghost.linear import read_steps
+
+    changed = 0
+    for seed, steps, p, q in [(5, 200, 128, 32), (7, 500, 48, 48), (4, 256, 64, 64), (2, 300, 96, 256)]:
+        torch.manual_seed(seed)
+        m, n = torch.randn(3, steps, p), torch.randn(3, steps, q)
+        n[:, ::4] = 0  # steps no record reads
+        n_b = n.clone()
+        n_b[2, ::4] = torch.randn(n_b[2, ::4].shape)  # a neighbour in place of record 2 reads them
+        f = torch.tensor([0.7, 0.0, 0.0], dtype=torch.float64)  # record 0's term alone
+        kept, kept_b = read_steps(m, n), read_steps(m, n_b)
+        terms = [Outer([k], sum_form="record32").total(f, torch.Size([q, p])) for k in (kept, kept_b)]
+        assert torch.equal(*terms), (steps, p, q)
+        batched = [torch.bmm(b.transpose(1, 2), a)[0] for a, b in (kept, kept_b)]
+        changed += not torch.equal(*batched)
+    if not changed:
+        pytest.skip("this host's float32 matmul orders its additions alike at every step count tried")

@@ -41,9 +41,9 @@ at one parameter point:
   (``2 B T p q`` flops at the float64 matmul rate, and the widening: ``B T (p + q)`` entries read, written
   in float64 and read again, at the copy rate);
 - ``"record32"`` (float32 parameters only): each record's matrix ``w_i = fl32(sum_t n_it m_it^T)`` by a
-  batched float32 matmul over a chunk of records (``2 B T p q`` flops at the batched float32 matmul rate;
-  the chunks hold at most :data:`RECORD32_ENTRIES` float32 entries, a record whose matrix is larger a
-  block of its rows at a time), then ``sum_i f_i w_i`` in float64
+  float32 matmul over the steps that record reads (``2 B T p q`` flops at the batched float32 matmul rate;
+  at most :data:`RECORD32_ENTRIES` float32 entries of its rows at a time), then ``sum_i f_i w_i`` in
+  float64
   (:func:`~dpvr.grads.ghost.rules.weighted_sum64`: the factors and entries widened exactly, a column
   block at a time): :data:`RECORD32_ENTRY_TRAFFIC` bytes
   per entry of ``w_i`` at the copy rate, and two more reads of the pieces (their largest entries, which
@@ -72,7 +72,10 @@ norm at most the clip radius, and the release's sensitivity bound holds, whichev
 ``"record32"`` sum computes each record's float32 matrix from that record's own inputs only (one matmul
 per record in the batched product, as the materialised form's matrices and the forward pass's per-record
 values are), and its sum over records stays in float64, so replacing one record moves the sum by at most
-twice the radius plus float64 roundings, as with the ``"float64"`` sum: no accountant changes.
+twice the radius plus float64 roundings, as with the ``"float64"`` sum: no accountant changes. The
+matmul's shape is the record's own (its read steps; row blocks fixed by ``p`` and ``q``), so a neighbour
+that changes which steps the batch reads leaves every other record's ``w_i`` bit for bit
+(:meth:`~dpvr.grads.ghost.rules.Outer._record32_total`).
 """
 
 from __future__ import annotations
@@ -99,9 +102,8 @@ GRAM32_ENTRY_BYTES = 24  # scratch per Gram entry: two float32 blocks and their 
 GRAM32_ENTRY_TRAFFIC = 96.0  # bytes moved per float32 Gram entry: written, widened, read, abs, weighted
 DEFAULT_DIRECT_MIB = 256.0
 SUM_FORMS = ("float64", "record32")
-# float32 entries of one chunk's per-record matrices of the "record32" sum (16 MiB): below the C library's
-# threshold for mapping fresh pages, so the chunk's buffer is reused without page faults; one record's
-# matrix larger than this is formed a block of its rows at a time.
+# float32 entries of one block of a record's matrix in the "record32" sum (16 MiB): below the C library's
+# threshold for mapping fresh pages, so the block's buffer is reused without page faults.
 RECORD32_ENTRIES = 1 << 22
 # bytes moved per entry of a record's float32 matrix: written and read (8), its float64 block written and
 # read in cache (16); matches the weighted column-block sum's measured rate on a 2-core AVX-512 host.

@@ -150,7 +150,9 @@ class Outer:
         dtype with as many entries, written with the same products (the values do not depend on it).
         With :attr:`sum_form` ``"record32"`` (:meth:`sums_per_record32`): :meth:`_record32_total`. Rows
         that no term can reach are left out (:meth:`read_rows`)."""
-        rows = self.read_rows()
+        # (a record's float32 matrix keeps its full shape: rows kept for the batch would make it follow the
+        # batch, see _record32_total)
+        rows = None if self.sums_per_record32(f.dtype) else self.read_rows()
         if rows is not None:
             return self._rows_total(rows, f, shape, out)
         if self.sums_per_record32(f.dtype):
@@ -206,21 +208,26 @@ class Outer:
 
     def _record32_total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
         """``sum_i f_i w_i`` in float64 with ``w_i = fl32(sum_t n_it m_it^T)``: each record's ``(q, p)``
-        matrix from one float32 matmul over all its steps (the pieces' steps joined), a chunk of records at
-        a time by a batched matmul into one reused buffer of at most
-        :data:`~dpvr.grads.ghost.cost.RECORD32_ENTRIES` entries (a record whose matrix is larger: a block of
-        its rows at a time, each entry the same sum of ``K`` products), then the chunk's weighted sum added
-        in float64 (:func:`weighted_sum64`: the float32 factors and entries widened exactly, so every
-        product ``f_i w_i`` is exact and only the additions over records round, in float64).
+        matrix from one float32 matmul over the steps that record reads (its steps whose output gradient is
+        not zero; the others add exact zeros), a block of at most
+        :data:`~dpvr.grads.ghost.cost.RECORD32_ENTRIES` entries of its rows at a time into one reused
+        buffer, the blocks' weighted terms added in float64 (:func:`weighted_sum64`: the float32 factor and
+        entries widened exactly, so every product ``f_i w_i`` is exact and only the additions over records
+        round, in float64).
 
-        Each record's matrix is computed from that record's pieces only (one matmul per record of the
-        batched product), so what one record contributes, ``f_i w_i``, does not depend on the other
-        records' values; its distance from ``f_i u_i`` is priced by
-        :func:`~dpvr.grads.ghost.norms.write_error` (``gamma_K R_i`` with the float32 unit). ``f``: float64
-        factors; ``out``: as for :meth:`total`."""
+        Each record's matrix is computed from that record's pieces only, by a matmul whose shape is its own
+        (its read steps, and row blocks fixed by ``p`` and ``q``), so ``w_i`` does not follow the batch: a
+        neighbour that reads other steps, which changes the steps
+        :func:`~dpvr.grads.ghost.linear.read_steps` keeps for the batch, leaves it bit for bit (a batched
+        product over the kept steps would not: a matmul may order its float32 additions by shape, and every
+        other record's term would then move by up to ``2 f_j E_j``, which no accountant prices). Its
+        distance from ``f_i u_i`` is priced by :func:`~dpvr.grads.ghost.norms.write_error` (``gamma_K R_i``
+        with the float32 unit, ``K`` the part's steps: at least the record's). The records' terms are
+        summed a chunk at a time (chunks fixed by ``p``, ``q`` and ``B``): a float64 sum, whose order of
+        additions only moves float64 roundings. ``f``: float64 factors; ``out``: as for :meth:`total`."""
         batch = f.shape[0]
         _, p, q = self.sizes()
-        size = min(batch, max(1, cost.RECORD32_ENTRIES // max(p * q, 1)))
+        size = min(batch, max(1, cost.RECORD32_ENTRIES // max(p * q, 1)))  # records whose terms join one sum
         block = min(q, max(1, cost.RECORD32_ENTRIES // max(p, 1)))  # rows of a record's matrix at a time
         buffer = torch.empty(size * block * p, dtype=torch.float32, device=f.device)
         total = (torch.empty(q * p, dtype=f.dtype, device=f.device) if out is None else out.view(-1))
@@ -228,10 +235,13 @@ class Outer:
             rows = slice(start, min(start + size, batch))
             b = rows.stop - rows.start
             m, n = self._steps_of(rows)
+            read = n.ne(0).any(dim=-1)
+            own = [(m[j, read[j]], n[j, read[j]]) for j in range(b)]  # each record's read steps, copied
             for lo in range(0, q, block):
                 hi = min(lo + block, q)
                 chunk = buffer[:b * (hi - lo) * p].view(b, hi - lo, p)
-                torch.bmm(n[:, :, lo:hi].transpose(1, 2), m, out=chunk)
+                for j, (mj, nj) in enumerate(own):
+                    torch.mm(nj[:, lo:hi].t(), mj, out=chunk[j])
                 weighted_sum64(f[rows], chunk.view(b, -1), total[lo * p:hi * p], accumulate=start > 0)
         return total.view(shape)
 
