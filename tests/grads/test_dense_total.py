@@ -118,16 +118,22 @@ def test_pooled_sums_release_unchanged(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(pooled, fresh))
 
 
-def test_pooled_sum_still_held_is_never_overwritten(monkeypatch):
-    """A caller that keeps a sum (or only a view of it) across calls keeps its values: the pool writes a
-    buffer again only when nothing else refers to it."""
+def _pooling_mlp(monkeypatch, seed: int, widths: tuple[int, int, int], batch: int):
+    """A two-layer MLP's clipper with every sum pooled (the threshold at 0), and a batch for it."""
     from dpvr.grads.ghost import clipper as module
 
     monkeypatch.setattr(module, "POOLED_BYTES", 0)
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(30, 50), nn.ReLU(), nn.Linear(50, 3))
+    torch.manual_seed(seed)
+    d_in, hidden, classes = widths
+    model = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, classes))
     clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
-    x, y = torch.randn(16, 30), torch.randint(0, 3, (16,))
+    return clipper, torch.randn(batch, d_in), torch.randint(0, classes, (batch,))
+
+
+def test_pooled_sum_still_held_is_never_overwritten(monkeypatch):
+    """A caller that keeps a sum (or only a view of it) across calls keeps its values: the pool writes a
+    buffer again only when nothing else refers to it."""
+    clipper, x, y = _pooling_mlp(monkeypatch, 4, (30, 50, 3), 16)
     first = clipper.clipped_sum(x, y, 1.0, wide=True).sums
     view = first[0].view(-1)
     kept = view.clone()
@@ -143,13 +149,7 @@ def test_pooled_sum_still_held_is_never_overwritten(monkeypatch):
 def test_copies_leave_the_pooled_buffers_behind(monkeypatch):
     import copy
 
-    from dpvr.grads.ghost import clipper as module
-
-    monkeypatch.setattr(module, "POOLED_BYTES", 0)
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 2))
-    clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
-    x, y = torch.randn(8, 12), torch.randint(0, 2, (8,))
+    clipper, x, y = _pooling_mlp(monkeypatch, 5, (12, 20, 2), 8)
     want = clipper.clipped_sum(x, y, 1.0, wide=True).sums
     assert clipper._pool
     twin = copy.deepcopy(clipper)

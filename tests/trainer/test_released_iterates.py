@@ -10,20 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpvr
-
-
-def logistic(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.binary_cross_entropy_with_logits(output.squeeze(-1), target)
-
-
-def _data(seed: int, n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    return x, (x[:, 0] > 0).double()
-
-
-X, Y = _data(0)
-
+from tests.tuning.toy_task import X, Y, logistic
 
 # ---- 7. evaluate(): released iterates only --------------------------------------------------------------
 
