@@ -264,7 +264,7 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
     ``R^2 >> ||u_i||^2``), which over-clips by that much and is the form's price besides its speed.
     Pieces must be float32 (the form is offered for float32 parameters only).
     """
-    pieces = [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in part.pieces]
+    pieces = _as_steps(part.pieces)
     if any(m.dtype != torch.float32 or n.dtype != torch.float32 for m, n in pieces):
         raise ValueError("the float32 Gram form takes float32 pieces; use the float64 forms for "
                          f"{pieces[0][0].dtype}")
@@ -493,14 +493,10 @@ def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device
     if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
         reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
     if isinstance(part, Outer):
-        r = torch.zeros(batch, dtype=torch.float64, device=device) if known is None else known
-        terms, width = 0, 0
-        for m, n in part.pieces:
-            m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
-            if known is None:
-                r += (torch.linalg.vector_norm(m3, dim=-1, dtype=torch.float64)
-                      * torch.linalg.vector_norm(n3, dim=-1, dtype=torch.float64)).sum(dim=1)
-            terms, width = terms + m3.shape[1], max(width, m3.shape[-1] + n3.shape[-1])
+        pieces = _as_steps(part.pieces)
+        r = outer_bound(pieces, batch, device) if known is None else known
+        terms = sum(m.shape[1] for m, _ in pieces)
+        width = max(m.shape[-1] + n.shape[-1] for m, n in pieces)
         rounds = (terms + 1) * unit + reduced
     elif isinstance(part, Dense) and reduced > 0.0:
         u = part.u.reshape(part.u.shape[0], -1)
@@ -546,18 +542,13 @@ def record32_error(part: Outer, batch: int, device: torch.device, known: Tensor 
     pieces = [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in part.pieces]
     p, q = pieces[0][0].shape[-1], pieces[0][1].shape[-1]
     steps = sum(m.shape[1] for m, _ in pieces)
-    unit = reduced_precision_unit(False, device)  # the per-record product is a matmul (bmm), never a conv
+    unit = reduced_precision_unit(False, device)  # the per-record product is a matmul, never a conv
     if not steps * U32 < 0.5:
         raise ValueError(f"a layer's float32 per-record sum adds {steps} terms per entry: too many for its "
                          "rounding to be bounded")
     gamma = _gamma(float(steps), U32)
     g = ((1.0 + unit) ** 2 * (1.0 + gamma) - 1.0) * (1.0 + 8.0 * U64)
-    r = known
-    if r is None:
-        r = torch.zeros(batch, dtype=torch.float64, device=device)
-        for m, n in pieces:
-            r += (torch.linalg.vector_norm(m, dim=-1, dtype=torch.float64)
-                  * torch.linalg.vector_norm(n, dim=-1, dtype=torch.float64)).sum(dim=1)
+    r = outer_bound(pieces, batch, device) if known is None else known
     r = r * (1.0 + 2.0 * (p + q + steps + 8) * U64)  # R's own float64 roundings, rounded up
     largest = torch.zeros(batch, dtype=torch.float64, device=device)
     for m, n in pieces:
@@ -576,6 +567,21 @@ def _max_abs(t: Tensor) -> Tensor:
     flat = t.reshape(t.shape[0], -1) if t.is_contiguous() else t
     dims = tuple(range(1, flat.dim()))
     return torch.maximum(flat.amax(dim=dims), -flat.amin(dim=dims)).to(torch.float64)
+
+
+def _as_steps(pieces: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """An Outer part's pieces with a steps dimension: ``(B, p)`` sides as ``(B, 1, p)``."""
+    return [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in pieces]
+
+
+def outer_bound(pieces: Sequence[tuple[Tensor, Tensor]], batch: int, device: torch.device) -> Tensor:
+    """Float64 ``(B,)`` ``R_i = sum_t ||m_it|| ||n_it||`` over ``(B, T, w)`` pieces, before its own
+    roundings (the callers round it up)."""
+    r = torch.zeros(batch, dtype=torch.float64, device=device)
+    for m, n in pieces:
+        r += (torch.linalg.vector_norm(m, dim=-1, dtype=torch.float64)
+              * torch.linalg.vector_norm(n, dim=-1, dtype=torch.float64)).sum(dim=1)
+    return r
 
 
 def with_write_error(norms_sq: Tensor, error: Tensor | None) -> Tensor:
