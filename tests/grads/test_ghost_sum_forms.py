@@ -394,11 +394,30 @@ def test_denormal_inputs_flushed_to_zero_are_priced() -> None:
         assert gap <= float(error[i])
 
 
-def test_a_records_float32_matrix_does_not_follow_the_steps_its_neighbours_read() -> None:
+def _record0_term(kept: tuple[Tensor, Tensor], q: int, p: int) -> Tensor:
+    """Record 0's term of the record32 sum (factor 0.7, the others' 0)."""
+    f = torch.tensor([0.7, 0.0, 0.0], dtype=torch.float64)
+    return Outer([kept], sum_form="record32").total(f, torch.Size([q, p]))
+
+
+def _record0_materialised(kept: tuple[Tensor, Tensor], q: int, p: int) -> Tensor:
+    """Record 0's materialised per-sample matrix (what the materialised form's norm and sum read)."""
+    return Outer([kept]).per_sample()[0]
+
+
+def _record0_gram32(kept: tuple[Tensor, Tensor], q: int, p: int) -> Tensor:
+    """Record 0's squared norm, its bound and ``R`` by the float32 Gram form (what its factor reads)."""
+    return torch.stack([t[0] for t in norms.gram32_term(Outer([kept]))])
+
+
+@pytest.mark.parametrize("formed", [_record0_term, _record0_materialised, _record0_gram32],
+                         ids=["record32-sum", "materialised", "gram32-norm"])
+def test_a_records_float32_matrix_does_not_follow_the_steps_its_neighbours_read(formed) -> None:
     """A neighbour that reads steps no other record reads changes the steps the batch keeps
     (:func:`read_steps`); each other record's float32 matrix, and so its term of the sum, stays bit for bit
-    (one matmul over the record's own read steps). A batched product over the kept steps changes on these
-    shapes (a matmul orders its float32 additions by shape), which is what the test would catch."""
+    (products over the record's own read steps), in the record32 sum and in the materialised form, and
+    so does its float32 Gram norm and that norm's bound. A batched product over the kept steps changes on
+    these shapes (a matmul orders its float32 additions by shape), which is what the test would catch."""
     from dpvr.grads.ghost.linear import read_steps
 
     changed = 0
@@ -408,10 +427,8 @@ def test_a_records_float32_matrix_does_not_follow_the_steps_its_neighbours_read(
         n[:, ::4] = 0  # steps no record reads
         n_b = n.clone()
         n_b[2, ::4] = torch.randn(n_b[2, ::4].shape)  # a neighbour in place of record 2 reads them
-        f = torch.tensor([0.7, 0.0, 0.0], dtype=torch.float64)  # record 0's term alone
         kept, kept_b = read_steps(m, n), read_steps(m, n_b)
-        terms = [Outer([k], sum_form="record32").total(f, torch.Size([q, p])) for k in (kept, kept_b)]
-        assert torch.equal(*terms), (steps, p, q)
+        assert torch.equal(formed(kept, q, p), formed(kept_b, q, p)), (steps, p, q)
         batched = [torch.bmm(b.transpose(1, 2), a)[0] for a, b in (kept, kept_b)]
         changed += not torch.equal(*batched)
     if not changed:

@@ -838,9 +838,10 @@ class GhostClipper:
         matrix, summed over records in float64 (:meth:`Outer._record32_total`); its ``E_i`` is priced in
         step 2 with the float32 unit (:func:`~dpvr.grads.ghost.norms.record32_error`), so each record's term
         still has norm below ``clip`` and the argument across records is the one above, unchanged: no
-        accountant changes. It assumes, as the materialised form does (its per-sample matrices), that a
-        record's float32 matrix is computed from that record's inputs only (one matmul per record of a
-        batched product), as the forward pass's per-record values already are. ``wide``: return the sums in
+        accountant changes. The record32 sum and the materialised form (its per-sample matrices) form each
+        record's float32 matrix by a matmul over that record's own read steps on the host
+        (:meth:`Outer.per_sample`), so that it follows that record's inputs only, as the forward pass's
+        per-record values are assumed to. ``wide``: return the sums in
         float64 (to be kept so until the noise is added); else they are rounded to T once.
         """
         if isinstance(clip, LayerRadii):

@@ -263,27 +263,34 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
     ``(g_p + g_q)`` times ``1`` (uncorrelated steps) to ``K`` (steps aligned, or cancelling: the latter
     ``R^2 >> ||u_i||^2``), which over-clips by that much and is the form's price besides its speed.
     Pieces must be float32 (the form is offered for float32 parameters only).
+
+    Each record's terms come from its own read steps (``K`` its own count), batched over the records that
+    read as many (:meth:`~dpvr.grads.ghost.rules.Outer.by_read_count`): the blocks' shapes, and so the
+    float32 Gram entries and the constants of the bound, follow the record alone. Blocks over the steps
+    some record of the batch reads (:func:`~dpvr.grads.ghost.linear.read_steps`) would let a neighbour move
+    every other record's norm, and so its factor and term, within its bound: a shift no accountant prices.
     """
     pieces = _as_steps(part.pieces)
     if any(m.dtype != torch.float32 or n.dtype != torch.float32 for m, n in pieces):
         raise ValueError("the float32 Gram form takes float32 pieces; use the float64 forms for "
                          f"{pieces[0][0].dtype}")
-    batch, p, q = pieces[0][0].shape[0], pieces[0][0].shape[-1], pieces[0][1].shape[-1]
-    device = pieces[0][0].device
-    lengths = [m.shape[1] for m, _ in pieces]
-    steps = sum(lengths)
+    batch, device = pieces[0][0].shape[0], pieces[0][0].device
+    value, bound, r_up = (torch.zeros(batch, dtype=torch.float64, device=device) for _ in range(3))
+    for index, m, n in part.by_read_count():  # records that read nothing: u_i = 0 exactly
+        for total, got in zip((value, bound, r_up), _gram32_group(m, n, scratch)):
+            total.index_copy_(0, index, got)
+    return value, bound, r_up
+
+
+def _gram32_group(m: Tensor, n: Tensor, scratch: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`gram32_term` of records that each read all ``K`` steps of ``(b, K, p)`` and ``(b, K, q)``."""
+    (batch, steps, p), q, device = m.shape, n.shape[-1], m.device
     g_p, g_q, c_p, c_q, coef_r = gram32_constants(steps, p, q, reduced_precision_unit(False, device))
     kappas = [_kappa(width, g) for width, g in ((p, g_p), (q, g_q))]
     chain = 2.0 * steps * steps + 8.0
-    blocks: list[tuple[Tensor, Tensor, int]] = []  # (m block, n block, first step)
-    first = 0
-    for (m, n), length in zip(pieces, lengths):
-        for s in range(0, length, GRAM32_BLOCK):
-            blocks.append((m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], first + s))
-        first += length
+    # (m block, n block, first step)
+    blocks = [(m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], s) for s in range(0, steps, GRAM32_BLOCK)]
     value = torch.zeros(batch, dtype=torch.float64, device=device)
-    if not blocks:  # no step carries anything (every output gradient was zero): u_i = 0 exactly
-        return value, torch.zeros_like(value), torch.zeros_like(value)
     # The diagonal pairs first: they give the norms (alpha, beta) that every pair's bound reads.
     pairs = [(i, i) for i in range(len(blocks))]
     pairs += [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))]
@@ -318,10 +325,9 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
     bad = ~torch.isfinite(value + bound)
     if bool(bad.any()):  # not finite data, or float32 entries that overflowed: in float64
         rows = bad.nonzero().squeeze(1)
-        sub = [(m[rows], n[rows]) for m, n in pieces]
-        v64, b64 = _term(Outer(sub), "auto")
-        r64 = sum((torch.linalg.vector_norm(m, dim=2, dtype=torch.float64)
-                   * torch.linalg.vector_norm(n, dim=2, dtype=torch.float64)).sum(dim=1) for m, n in sub)
+        v64, b64 = _term(Outer([(m[rows], n[rows])]), "auto")
+        r64 = (torch.linalg.vector_norm(m[rows], dim=2, dtype=torch.float64)
+               * torch.linalg.vector_norm(n[rows], dim=2, dtype=torch.float64)).sum(dim=1)
         value, bound = value.index_put((rows,), v64), bound.index_put((rows,), b64)
         r_up = r_up.index_put((rows,), r64)
     return value, bound, r_up

@@ -77,7 +77,7 @@ def read_columns(n: Tensor, width: int) -> Tensor | None:
     q = n.shape[-1]
     if n.device.type != "cpu" or q <= 4 * width:
         return None
-    return n.reshape(-1, q).ne(0).any(dim=0).nonzero().view(-1)
+    return n.reshape(-1, q).any(dim=0).nonzero().view(-1)
 
 
 def same_tensor(x: Tensor, y: Tensor) -> bool:
@@ -234,9 +234,7 @@ class Outer:
         for start in range(0, batch, size):
             rows = slice(start, min(start + size, batch))
             b = rows.stop - rows.start
-            m, n = self._steps_of(rows)
-            read = n.ne(0).any(dim=-1)
-            own = [(m[j, read[j]], n[j, read[j]]) for j in range(b)]  # each record's read steps, copied
+            own = self._own_steps(rows)
             for lo in range(0, q, block):
                 hi = min(lo + block, q)
                 chunk = buffer[:b * (hi - lo) * p].view(b, hi - lo, p)
@@ -244,6 +242,42 @@ class Outer:
                     torch.mm(nj[:, lo:hi].t(), mj, out=chunk[j])
                 weighted_sum64(f[rows], chunk.view(b, -1), total[lo * p:hi * p], accumulate=start > 0)
         return total.view(shape)
+
+    def _own_steps(self, rows: slice) -> list[tuple[Tensor, Tensor]]:
+        """Per record of ``rows``, ``(M_i, N_i)`` over the steps that record reads (its steps whose output
+        gradient is not zero, every piece's joined): ``(K_i, p)`` and ``(K_i, q)``, shapes that follow the
+        record alone. A record that reads every step keeps a view of its rows; the others get a copy."""
+        m, n = self._steps_of(rows)
+        read = n.any(dim=-1)
+        every = read.all(dim=1).tolist()
+        return [(m[j], n[j]) if every[j] else (m[j, read[j]], n[j, read[j]]) for j in range(len(every))]
+
+    def by_read_count(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """The records grouped by the number ``K`` of steps each reads (as :meth:`_own_steps`): per group,
+        the records' indices and their read steps, contiguous ``(b, K, p)`` and ``(b, K, q)``.
+
+        A record's rows in its group's tensors depend on that record alone (its read steps, in order, and
+        ``K``), so a batched product over a group gives each record what a product over its own steps would,
+        whichever other records share the group: a batched product's batch count moves no record's value
+        (as the forward pass assumes of its batched products; torch's host ``bmm`` gives the values of
+        ``mm`` at every batch count tested). Records that read no step are left out: their matrices are
+        exact zeros. Host only (the counts are read)."""
+        m, n = self._steps_of(slice(None))
+        read = n.any(dim=-1)
+        counts = read.sum(dim=1)
+        steps_all, batch = m.shape[1], m.shape[0]
+        if bool((counts == steps_all).all()):
+            every = torch.arange(batch, device=m.device)
+            return [(every, m.contiguous(), n.contiguous())] if steps_all else []
+        groups = []
+        for k in counts.unique().tolist():
+            if k == 0:
+                continue
+            index = (counts == k).nonzero().view(-1)
+            kept = read[index]
+            groups.append((index, m[index][kept].view(index.numel(), k, -1),
+                           n[index][kept].view(index.numel(), k, -1)))
+        return groups
 
     def _steps_of(self, rows: slice) -> tuple[Tensor, Tensor]:
         """``(M, N)`` of the records ``rows``: every piece's steps joined, ``(b, K, p)`` and ``(b, K, q)``."""
@@ -265,8 +299,8 @@ class Outer:
 
     def worth_materialising(self) -> bool:
         """Whether a sample's ``(q, p)`` matrix is no larger than the ``(T, p + q)`` recorded entries it comes
-        from, i.e. the direct form costs no more than the Gram form. Materialised in one batched matmul in
-        the parameters' dtype, it then replaces both the float64 norm pass over the steps and the clipped
+        from, i.e. the direct form costs no more than the Gram form. Materialised in the parameters' dtype
+        (:meth:`per_sample`), it then replaces both the float64 norm pass over the steps and the clipped
         sum's matmul over the steps, at no more memory than the recording already holds."""
         steps, p, q = self.sizes()
         return steps > 1 and p * q <= steps * (p + q)
@@ -292,7 +326,26 @@ class Outer:
         return cost.choose_sum(*self.shapes())
 
     def per_sample(self) -> Tensor:
-        """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``."""
+        """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``, which the materialised form's
+        norms measure and its clipped sum writes.
+
+        On the host each record's matrix is a product over the steps that record reads, batched over the
+        records that read as many (:meth:`by_read_count`), for the reason :meth:`_record32_total` gives:
+        the steps :func:`~dpvr.grads.ghost.linear.read_steps` keeps follow the batch, and a batched product
+        over them would let a neighbour move every other record's float32 matrix (and its term) by a
+        rounding no accountant prices. Elsewhere no step is left out, and one batched product has a
+        per-record shape fixed by the layer (its recorded steps), which assumes, as the forward pass does,
+        that a batched product computes each record's matrix from that record's rows only."""
+        if self.pieces[0][0].device.type == "cpu":
+            batch, _, p, q, _ = self.shapes()
+            groups = self.by_read_count()
+            if len(groups) == 1 and groups[0][0].numel() == batch:  # every record reads every step
+                _, m, n = groups[0]
+                return n.transpose(1, 2) @ m
+            out = torch.zeros(batch, q, p, dtype=self.piece_dtype())
+            for index, m, n in groups:
+                out.index_copy_(0, index, n.transpose(1, 2) @ m)
+            return out
         out = None
         for m, n in self.pieces:
             m, n = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
