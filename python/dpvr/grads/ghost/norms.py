@@ -521,58 +521,60 @@ def record32_error(part: Outer, batch: int, device: torch.device, known: Tensor 
     """``E_i`` of an Outer part whose clipped sum forms each record's matrix in float32
     (:meth:`Outer._record32_total`): a float64 ``(B,)`` bound on ``||w^_i - u_i||``, where ``w^_i`` is
     record i's float32 matrix as widened to float64 and ``u_i = sum_t n_t m_t^T`` the exact matrix of the
-    pieces (``K`` steps over all pieces, widths ``p`` and ``q``). ``known``: ``R_i`` as the native norms
-    computed it (see :func:`_part_error`).
+    pieces (widths ``p`` and ``q``), formed over the ``K_i`` steps record i reads (its steps whose output
+    gradient is not zero, over all pieces). ``known``: ``R_i`` as the native norms computed it (see
+    :func:`_part_error`).
 
     The bound (``u = 2^-24``, ``gamma_K = K u / (1 - K u)``, ``u'`` the reduced-precision unit of torch's
     float32 matmul setting (:func:`reduced_precision_unit`; 0 at ``"highest"``), ``mu = 2^-126``): an
-    entry of ``w^_i`` is a float32 sum of ``K`` products in any order (blocked, vectorised, fused): reading
-    an input may round it relatively by ``u'`` and, under denormals-are-zero, absolutely by less than
-    ``mu``; each product and each addition rounds relatively by ``u`` (at most ``K`` such on any term's
-    path: ``gamma_K``) and absolutely by less than ``mu`` (gradual underflow or a flush to zero: at most
-    ``2 K`` per entry, each amplified by at most ``1 + gamma_K``); widening the entry to float64 is exact
-    but for a flushed denormal (less than ``mu``). So, per entry, ``|w^ - x| <= g sum_t |n_t| |m_t| +
-    mu (1 + gamma_K) (1 + u') (sum_t (|m_t| + |n_t|) + 3 K + 1)`` with ``g = (1 + u')^2 (1 + gamma_K) -
-    1``, and over the entries (Frobenius; ``||[|n_t| |m_t|^T]|| = ||n_t|| ||m_t||``, the entries of ``m_t``
-    at most ``A_i`` and of ``n_t`` at most ``B_i`` in magnitude):
+    entry of ``w^_i`` is a float32 sum of ``K = K_i`` products in any order (blocked, vectorised, fused):
+    reading an input may round it relatively by ``u'`` and, under denormals-are-zero, absolutely by less
+    than ``mu``; each product and each addition rounds relatively by ``u`` (at most ``K`` such on any
+    term's path: ``gamma_K``) and absolutely by less than ``mu`` (gradual underflow or a flush to zero: at
+    most ``2 K`` per entry, each amplified by at most ``1 + gamma_K``); widening the entry to float64 is
+    exact but for a flushed denormal (less than ``mu``). So, per entry ``(a, b)``, ``|w^ - x| <= g sum_t
+    |n_ta| |m_tb| + mu (1 + gamma_K) (1 + u') (sum_t (|m_tb| + |n_ta|) + 3 K + 1)`` with ``g = (1 + u')^2
+    (1 + gamma_K) - 1``, and over the entries (Frobenius; ``||[|n_t| |m_t|^T]|| = ||n_t|| ||m_t||``, the
+    entries of ``m_t`` at most ``A_i`` and of ``n_t`` at most ``B_i`` in magnitude over the record's read
+    steps):
 
         ||w^_i - u_i|| <= g R_i + mu (1 + gamma_K) (1 + u') sqrt(p q) (K (A_i + B_i) + 3 K + 1),
 
     ``R_i = sum_t ||n_t|| ||m_t||``. ``A_i`` and ``B_i`` are float32 maxima (exact); everything else is
-    computed in float64 and rounded up. The factors and entries then widen exactly and ``f_i w^_i`` is
-    exact in float64 (two float32 significands), so for a record alone the float64 value is
-    ``f_i w^_i``, within ``f_i E_i`` of ``f_i u_i``; :func:`write_error` adds the sums' one rounding to the
-    parameters' dtype. The cancelling steps, calls or pieces that make ``R_i`` far exceed ``||u_i||`` are
-    why the bound is not relative to ``||u_i||``.
+    computed in float64 and rounded up. Every quantity follows record i alone (``K_i`` and the maxima over
+    its read steps, never over the steps the batch keeps), so a neighbour moves no other record's bound,
+    and so no other record's factor. The factors and entries then widen exactly and ``f_i w^_i`` is exact in
+    float64 (two float32 significands), so for a record alone the float64 value is ``f_i w^_i``, within
+    ``f_i E_i`` of ``f_i u_i``; :func:`write_error` adds the sums' one rounding to the parameters' dtype.
+    The cancelling steps, calls or pieces that make ``R_i`` far exceed ``||u_i||`` are why the bound is not
+    relative to ``||u_i||``.
     """
-    pieces = [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in part.pieces]
+    pieces = _as_steps(part.pieces)
     p, q = pieces[0][0].shape[-1], pieces[0][1].shape[-1]
-    steps = sum(m.shape[1] for m, _ in pieces)
+    largest_m = torch.cat([_step_max_abs(m) for m, _ in pieces], dim=1)
+    largest_n = torch.cat([_step_max_abs(n) for _, n in pieces], dim=1)
+    read = largest_n.ne(0)  # as Outer._own_steps reads a step (NaN included)
+    steps = read.sum(dim=1).to(torch.float64)
+    if batch and not float(steps.max()) * U32 < 0.5:
+        raise ValueError(f"a layer's float32 per-record sum adds {int(steps.max())} terms per entry: too "
+                         "many for its rounding to be bounded")
     unit = reduced_precision_unit(False, device)  # the per-record product is a matmul, never a conv
-    if not steps * U32 < 0.5:
-        raise ValueError(f"a layer's float32 per-record sum adds {steps} terms per entry: too many for its "
-                         "rounding to be bounded")
-    gamma = _gamma(float(steps), U32)
+    gamma = steps * U32 / (1.0 - steps * U32) * (1.0 + 8.0 * U64)
     g = ((1.0 + unit) ** 2 * (1.0 + gamma) - 1.0) * (1.0 + 8.0 * U64)
     r = outer_bound(pieces, batch, device) if known is None else known
     r = r * (1.0 + 2.0 * (p + q + steps + 8) * U64)  # R's own float64 roundings, rounded up
     largest = torch.zeros(batch, dtype=torch.float64, device=device)
-    for m, n in pieces:
-        if m.shape[1] == 0:
-            continue
-        largest = torch.maximum(largest, _max_abs(m) + _max_abs(n))
+    if read.shape[1]:  # (a part whose every step was left out has none)
+        largest = (largest_m.where(read, 0.0).amax(dim=1) + largest_n.amax(dim=1)).to(torch.float64)
     tiny = TINY32 * (1.0 + gamma) * (1.0 + unit) * math.sqrt(p * q) * (1.0 + 4.0 * U64)
     return (g * r + tiny * (steps * largest + (3.0 * steps + 1.0))) * (1.0 + 16.0 * U64)
 
 
-def _max_abs(t: Tensor) -> Tensor:
-    """Each record's largest entry in magnitude of a ``(B, T, w)`` piece, exactly (a float32 maximum and
-    minimum, negated exactly), in float64; NaN where the record is not finite. Two reductions over the
-    records' rows: ``abs`` would write a copy of the piece, and a maximum-norm reduction ran 3-7 times
-    slower on the host."""
-    flat = t.reshape(t.shape[0], -1) if t.is_contiguous() else t
-    dims = tuple(range(1, flat.dim()))
-    return torch.maximum(flat.amax(dim=dims), -flat.amin(dim=dims)).to(torch.float64)
+def _step_max_abs(t: Tensor) -> Tensor:
+    """Each step's largest entry in magnitude of a ``(B, T, w)`` piece, exactly (a float32 maximum and
+    minimum, negated exactly): ``(B, T)``, NaN where the step is not finite. ``abs`` would write a copy of
+    the piece, and a maximum-norm reduction ran 3-7 times slower on the host."""
+    return torch.maximum(t.amax(dim=-1), -t.amin(dim=-1))
 
 
 def _as_steps(pieces: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
