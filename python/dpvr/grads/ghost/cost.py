@@ -30,8 +30,10 @@ samples, widths ``p`` and ``q``) has three forms:
   sqrt(min(p, q)))`` of the squared norm where the steps are uncorrelated, more where they cancel) is an
   upper bound on the exact squared norm, as the native forms' are. Memory: chunks of samples' pairs of
   blocks, at most :data:`GRAM32_SCRATCH` bytes or what the memory budget leaves after the parts
-  materialised at the point, if less; refused when one sample's largest pair does not fit what is left at
-  its choice, or when the widths are too large for the bound.
+  materialised at the point, if less, and at least one sample's largest pair of blocks
+  (:data:`GRAM32_ENTRY_BYTES` per entry: 384 KiB for 128-step blocks), which the budget does not bound: it is
+  freed with the part's norm, as the chunked form's one-sample float64 matrix is (never refused either).
+  Refused only when the widths are too large for the bound.
 
 Each non-materialised form then writes its clipped sum ``S = sum_i f_i u_i`` (``u_i = sum_t n_it m_it^T``)
 in one of two ways (:data:`SUM_FORMS`), chosen apart from the norm form (:func:`predict_sums`), for a part
@@ -179,7 +181,7 @@ def predict(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates,
     if steps > 1:  # the matrices in float64, then their squares summed: a write and two reads
         chunked = 2.0 * b * t * p * q / rates.matmul64 + entries * 24.0 / rates.bandwidth + float64_sum
     gram32 = float("inf")
-    if itemsize == 4 and gram32_fits(steps, p, q, budget):
+    if itemsize == 4 and gram32_fits(steps, p, q):
         blocks = gram32_blocks([steps])
         pairs = (sum(blocks) ** 2 + sum(k * k for k in blocks)) / 2.0  # Gram entries of the pairs I <= J
         # the float32 blocks of both sides and their float64 passes; each pair reads its blocks' inputs
@@ -204,12 +206,10 @@ def predict_sums(batch: int, steps: int, p: int, q: int, itemsize: int, rates: R
     return {"float64": float64, "record32": record32}
 
 
-def gram32_fits(steps: int, p: int, q: int, budget: float) -> bool:
+def gram32_fits(steps: int, p: int, q: int) -> bool:
     """Whether the float32 Gram form can run for these shapes: its rounding bound exists (``k u < 1/2`` for
-    the widths, :func:`~dpvr.grads.ghost.norms.gram32_term`) and one sample's largest pair of step blocks
-    fits in ``budget`` bytes of scratch."""
-    return (max(p, q) * 2.0 ** -24 < 0.5 and (2.0 * steps * steps + 8.0) * 2.0 ** -53 < 0.5
-            and gram32_min_scratch([steps]) <= budget)
+    the widths and the float64 sums, :func:`~dpvr.grads.ghost.norms.gram32_term`)."""
+    return max(p, q) * 2.0 ** -24 < 0.5 and (2.0 * steps * steps + 8.0) * 2.0 ** -53 < 0.5
 
 
 def gram32_blocks(steps: list[int]) -> list[int]:
@@ -218,15 +218,10 @@ def gram32_blocks(steps: list[int]) -> list[int]:
     return [min(GRAM32_BLOCK, t - s) for t in steps for s in range(0, t, GRAM32_BLOCK)]
 
 
-def gram32_min_scratch(steps: list[int]) -> float:
-    """The least scratch (bytes) of the float32 Gram form: one sample's largest pair of blocks."""
-    largest = max(gram32_blocks(steps), default=0)
-    return float(GRAM32_ENTRY_BYTES * largest * largest)
-
-
 def gram32_scratch(budget: float) -> float:
-    """The scratch the float32 Gram form's blocks may use under ``budget`` bytes (at most 64 MiB)."""
-    return min(float(budget), GRAM32_SCRATCH)
+    """The scratch the float32 Gram form's blocks may use under ``budget`` bytes (at most 64 MiB; none when
+    the budget is spent: :func:`~dpvr.grads.ghost.norms.gram32_term` then takes one sample at a time)."""
+    return max(min(float(budget), GRAM32_SCRATCH), 0.0)
 
 
 def choose(batch: int, steps: int, p: int, q: int, itemsize: int, rates: Rates | None = None,
