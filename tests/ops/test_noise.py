@@ -222,3 +222,21 @@ def test_state_round_trip_resumes_the_same_noise():
         dpvr.NoiseGenerator.from_state_dict({"seed": 1, "streams": {"a": [3, 0]}})
     with pytest.raises(ValueError, match="state"):
         dpvr.NoiseGenerator.from_state_dict({"streams": {}})
+
+
+def test_the_signal_digest_does_not_depend_on_the_thread_count(monkeypatch):
+    """The key of a bound generator's draw hashes the sum it perturbs; hashed on several threads (large
+    sums) or one, the digest, and so the noise, is the same: single-threaded BLAKE3 over the same bytes."""
+    from blake3 import blake3
+
+    from dpvr.ops import kernels
+
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(300_000), rng.standard_normal(5).astype(np.float32)]
+    scalars = (("sigma", 1.5),)
+    reference = blake3(repr(scalars).encode())
+    for a in arrays:
+        reference.update(a.view(np.uint8))
+    for threshold in (0, 1 << 62):  # every digest threaded, none threaded
+        monkeypatch.setattr(kernels, "THREADED_DIGEST_BYTES", threshold)
+        assert kernels._digest(arrays, scalars) == reference.digest()
