@@ -106,16 +106,34 @@ def _wide_mlp_release(monkeypatch, pooled_bytes: int) -> tuple[list[torch.Tensor
         sums = clipper.clipped_sum(x, y, 0.5, wide=True).sums
         ops.noisy_update(velocity, sum=[s.view(-1) for s in sums], scale=1 / 32, sigma=0.5 / 32, reset=True,
                          generator=generator, stream="dp-sgd", params=params, lr=0.1)
-    return [p.detach().clone() for p in model.parameters()], len(clipper._pool)
+    return [p.detach().clone() for p in model.parameters()], sum(len(b) for b in clipper._pool.values())
 
 
 def test_pooled_sums_release_unchanged(monkeypatch):
-    """Large linear maps' float64 sums written into kept buffers (every map's here, the threshold lowered)
-    release the same parameters bit for bit as fresh ones."""
+    """Large parameters' float64 sums written into kept buffers (every parameter's here, the threshold
+    lowered: three weights and three biases) release the same parameters bit for bit as fresh ones."""
     pooled, kept = _wide_mlp_release(monkeypatch, 0)
     fresh, none = _wide_mlp_release(monkeypatch, 1 << 60)
-    assert kept == 3 and none == 0
+    assert kept == 6 and none == 0
     assert all(torch.equal(a, b) for a, b in zip(pooled, fresh))
+
+
+def test_maps_of_one_size_each_keep_a_buffer(monkeypatch):
+    """Three maps of one shape (a transformer's blocks) each write into a kept buffer of their own, step
+    after step, with the values fresh buffers get."""
+    from dpvr.grads.ghost import clipper as module
+
+    torch.manual_seed(6)
+    model = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(24, 24), nn.Tanh())), nn.Linear(24, 3))
+    x, y = torch.randn(10, 24), torch.randint(0, 3, (10,))
+    got = {}
+    for pooled in (0, 1 << 60):
+        monkeypatch.setattr(module, "POOLED_BYTES", pooled)
+        clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
+        got[pooled] = [clipper.clipped_sum(x * (1 + step), y, 0.5, wide=True).sums for step in range(3)]
+        assert len(clipper._pool.get(24 * 24, [])) == (3 if pooled == 0 else 0)
+    for a, b in zip(got[0], got[1 << 60]):
+        assert all(torch.equal(s, t) for s, t in zip(a, b))
 
 
 def _pooling_mlp(monkeypatch, seed: int, widths: tuple[int, int, int], batch: int):

@@ -167,9 +167,11 @@ def _recording_forward(layer: _Layer, original: Callable[..., Any],
     return forward
 
 
-# Buffers at least this large are mapped afresh by the C library at each allocation (glibc's largest dynamic
-# mmap threshold on 64-bit hosts), so clipped sums this large are written into kept buffers (_pooled).
-POOLED_BYTES = 32 << 20
+# Clipped sums of at least this many bytes are written into kept buffers (_pooled). The C library maps a
+# buffer of 32 MiB or more afresh at each allocation, and smaller ones fault as often when it trims its heap:
+# GPT-2 small's 18 MiB float64 sums at B = 2 took 180 000 page faults a step (half its clipped sums' time)
+# until they were pooled too.
+POOLED_BYTES = 1 << 20
 
 
 def _storage_counter() -> Callable[[Tensor], int] | None:
@@ -307,7 +309,7 @@ class GhostClipper:
         # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
         self.choices: dict[str, cost.Choice] = {}
         self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
-        self._pool: dict[int, Tensor] = {}  # entries -> a float64 buffer for large clipped sums (_pooled)
+        self._pool: dict[int, list[Tensor]] = {}  # entries -> float64 buffers for large sums (_pooled)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the kept sum buffers behind (:meth:`_pooled`): they hold no state, only
@@ -913,7 +915,7 @@ class GhostClipper:
             for j, (k, p) in enumerate(parts):
                 f = wide_factors[j] if isinstance(wide_factors, list) else wide_factors
                 shape = self._named[k][1].shape
-                pooled = type(p) in (Outer, Tied) and self.backend == "native"
+                pooled = type(p) in (Outer, Tied, Dense) and self.backend == "native"
                 out = self._pooled(shape.numel()) if pooled else None
                 total = p.total(f, shape) if out is None else p.total(f, shape, out=out)
                 sums[k] = total if wide else total.to(dtype)
@@ -921,21 +923,27 @@ class GhostClipper:
         return [torch.zeros_like(p, dtype=zeros) if s is None else s for s, (_, p) in zip(sums, self._named)]
 
     def _pooled(self, numel: int) -> Tensor | None:
-        """A float64 host buffer of ``numel`` entries for an Outer part's clipped sum, or None (a fresh one).
+        """A float64 host buffer of ``numel`` entries for a part's clipped sum, or None (a fresh one).
 
-        Why: the C library maps a buffer of :data:`POOLED_BYTES` or more afresh at every allocation and
-        unmaps it when freed, so every step's float64 sum of a large linear map was written to new pages,
-        one page fault each: a quarter of the time of the wide MLP's 64 MiB float64 sum (47 of 178 ms). A
-        buffer is kept per size and written again only when nothing outside the pool refers to its memory
-        (the caller has dropped the previous sum and every view of it), so a sum still held is never
-        overwritten. Between steps the pool holds one such buffer per size."""
+        Why: the C library gives a large buffer new pages at most allocations (mapped afresh, or after
+        trimming its heap), so every step's float64 sum of a large linear map was written to new pages, one
+        page fault each: a quarter of the time of the wide MLP's 64 MiB float64 sum (47 of 178 ms), half of
+        GPT-2 small's clipped sums (18 MiB each) at B = 2. A
+        buffer is written again only when nothing outside the pool refers to its memory (the caller has
+        dropped the previous sum and every view of it), so a sum still held is never overwritten; a model
+        with several maps of one size (a transformer's blocks) keeps one buffer per map, and no more: a
+        caller that still holds the previous sums gets fresh ones. Between steps the pool holds the float64
+        sums of the large parameters (8 bytes per parameter), which every step needs at once anyway."""
         if numel * 8 < POOLED_BYTES or _storage_uses is None:
             return None
-        held = self._pool.get(numel)
-        if held is not None and _storage_uses(held) == _FREE_USES:
-            return held
-        self._pool[numel] = torch.empty(numel, dtype=torch.float64)
-        return self._pool[numel]
+        buffers = self._pool.setdefault(numel, [])
+        for held in buffers:
+            if _storage_uses(held) == _FREE_USES:
+                return held
+        if len(buffers) == sum(p.numel() == numel for _, p in self._named):
+            return None  # every one is held (a caller keeping the previous sums): a fresh one
+        buffers.append(torch.empty(numel, dtype=torch.float64))
+        return buffers[-1]
 
     def _clip_layers(self, parts: list[tuple[int, Part | Tied]], radii: LayerRadii, weights: Tensor | None,
                      batch: int, wide: bool) -> tuple[Grads, Tensor]:

@@ -462,8 +462,8 @@ class Dense:
 
     u: Tensor
 
-    def total(self, f: Tensor, shape: torch.Size) -> Tensor:
-        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`).
+    def total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
+        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`; ``out`` as there, on the host).
 
         On the host, when ``u`` must be widened, the columns are widened and summed a block at a time
         (:data:`DENSE_BLOCK_BYTES` of widened entries): the same ``(1, B) @ (B, c)`` product per column
@@ -474,7 +474,7 @@ class Dense:
         flat = self.u.reshape(self.u.shape[0], -1)
         if flat.dtype == f.dtype or flat.device.type != "cpu":
             return (f @ flat.to(f.dtype)).reshape(shape)
-        out = torch.empty(flat.shape[1], dtype=f.dtype, device=flat.device)
+        out = torch.empty(flat.shape[1], dtype=f.dtype, device=flat.device) if out is None else out.view(-1)
         return weighted_sum64(f, flat, out).reshape(shape)
 
     def drop(self, bad: Tensor) -> Dense:
