@@ -174,3 +174,21 @@ def test_copies_leave_the_pooled_buffers_behind(monkeypatch):
     assert twin._pool == {} and clipper._pool
     got = twin.clipped_sum(x, y, 1.0, wide=True).sums
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_pool_keeps_at_most_its_bytes(monkeypatch):
+    """Past POOL_BYTES kept per clipper, sums go to fresh buffers, with the same values."""
+    from dpvr.grads.ghost import clipper as module
+
+    torch.manual_seed(7)
+    model = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(24, 24), nn.Tanh())), nn.Linear(24, 3))
+    x, y = torch.randn(10, 24), torch.randint(0, 3, (10,))
+    monkeypatch.setattr(module, "POOLED_BYTES", 0)
+    got = {}
+    for cap in (8 * (2 * 24 * 24 + 24), 1 << 40):
+        monkeypatch.setattr(module, "POOL_BYTES", cap)
+        clipper = GhostClipper(model, lambda out, t: nn.functional.cross_entropy(out, t))
+        got[cap] = [clipper.clipped_sum(x * (1 + step), y, 0.5, wide=True).sums for step in range(2)]
+        kept = 8 * sum(b.numel() for held in clipper._pool.values() for b in held)
+        assert kept <= cap
+    assert all(torch.equal(s, t) for a, b in zip(*got.values()) for s, t in zip(a, b))

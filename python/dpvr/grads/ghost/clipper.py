@@ -172,6 +172,9 @@ def _recording_forward(layer: _Layer, original: Callable[..., Any],
 # GPT-2 small's 18 MiB float64 sums at B = 2 took 180 000 page faults a step (half its clipped sums' time)
 # until they were pooled too.
 POOLED_BYTES = 1 << 20
+# ... and at most this many bytes of them are kept per clipper (the float64 sums of 6.7 * 10^7 parameters):
+# what stays resident between steps, outside the step's peak.
+POOL_BYTES = 512 << 20
 
 
 def _storage_counter() -> Callable[[Tensor], int] | None:
@@ -942,6 +945,8 @@ class GhostClipper:
                 return held
         if len(buffers) == sum(p.numel() == numel for _, p in self._named):
             return None  # every one is held (a caller keeping the previous sums): a fresh one
+        if 8 * (numel + sum(b.numel() for held in self._pool.values() for b in held)) > POOL_BYTES:
+            return None
         buffers.append(torch.empty(numel, dtype=torch.float64))
         return buffers[-1]
 
