@@ -419,6 +419,7 @@ def _noise_key(generator: NoiseGenerator, stream: str, call: _Call, sum: Any, sc
         inputs = _digest(signal, scalars)
     return generator.next_key(stream, inputs)
 
+
 # From this many bytes on, the digest hashes on the kernels' threads: BLAKE3's tree gives the same digest
 # whatever the thread count, and the pool's start (about 70 us) is then well under what it saves (the
 # float64 sums of 1.2 * 10^7 parameters: 19 -> 10 ms on two cores).

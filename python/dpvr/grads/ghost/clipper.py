@@ -936,7 +936,8 @@ class GhostClipper:
         dropped the previous sum and every view of it), so a sum still held is never overwritten; a model
         with several maps of one size (a transformer's blocks) keeps one buffer per map, and no more: a
         caller that still holds the previous sums gets fresh ones. Between steps the pool holds the float64
-        sums of the large parameters (8 bytes per parameter), which every step needs at once anyway."""
+        sums of the large parameters (8 bytes per parameter, which every step needs at once anyway), up to
+        :data:`POOL_BYTES`."""
         if numel * 8 < POOLED_BYTES or _storage_uses is None:
             return None
         buffers = self._pool.setdefault(numel, [])

@@ -71,13 +71,12 @@ sum's rounding (either sum form's) is bounded separately (:func:`~dpvr.grads.gho
 a materialised part's norms are upper bounds on the norms of the very matrices that its clipped sum
 writes (one rounding per entry, priced by the clip margin). So each record's written contribution has
 norm at most the clip radius, and the release's sensitivity bound holds, whichever form is chosen. The
-``"record32"`` sum computes each record's float32 matrix from that record's own inputs only (one matmul
-per record in the batched product, as the materialised form's matrices and the forward pass's per-record
-values are), and its sum over records stays in float64, so replacing one record moves the sum by at most
-twice the radius plus float64 roundings, as with the ``"float64"`` sum: no accountant changes. The
-matmul's shape is the record's own (its read steps; row blocks fixed by ``p`` and ``q``), so a neighbour
-that changes which steps the batch reads leaves every other record's ``w_i`` bit for bit
-(:meth:`~dpvr.grads.ghost.rules.Outer._record32_total`).
+``"record32"`` sum computes each record's float32 matrix from that record's own inputs only, by a matmul
+whose shape is the record's own (its read steps; row blocks fixed by ``p`` and ``q``), so a neighbour that
+changes which steps the batch reads leaves every other record's ``w_i`` bit for bit
+(:meth:`~dpvr.grads.ghost.rules.Outer._record32_total`), and its sum over records stays in float64, so
+replacing one record moves the sum by at most twice the radius plus float64 roundings, as with the
+``"float64"`` sum: no accountant changes.
 """
 
 from __future__ import annotations

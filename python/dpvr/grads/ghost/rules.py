@@ -221,8 +221,8 @@ class Outer:
         :func:`~dpvr.grads.ghost.linear.read_steps` keeps for the batch, leaves it bit for bit (a batched
         product over the kept steps would not: a matmul may order its float32 additions by shape, and every
         other record's term would then move by up to ``2 f_j E_j``, which no accountant prices). Its
-        distance from ``f_i u_i`` is priced by :func:`~dpvr.grads.ghost.norms.write_error` (``gamma_K R_i``
-        with the float32 unit, ``K`` the part's steps: at least the record's). The records' terms are
+        distance from ``f_i u_i`` is priced by :func:`~dpvr.grads.ghost.norms.record32_error` (``gamma_K R_i``
+        with the float32 unit, ``K`` the steps the record reads). The records' terms are
         summed a chunk at a time (chunks fixed by ``p``, ``q`` and ``B``): a float64 sum, whose order of
         additions only moves float64 roundings. ``f``: float64 factors; ``out``: as for :meth:`total`."""
         batch = f.shape[0]
@@ -463,7 +463,8 @@ class Dense:
     u: Tensor
 
     def total(self, f: Tensor, shape: torch.Size, out: Tensor | None = None) -> Tensor:
-        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`; ``out`` as there, on the host).
+        """``sum_i f_i u_i`` in ``f``'s dtype (as :meth:`Outer.total`; ``out`` as there, used where ``u`` is
+        widened on the host, else a fresh sum is returned).
 
         On the host, when ``u`` must be widened, the columns are widened and summed a block at a time
         (:data:`DENSE_BLOCK_BYTES` of widened entries): the same ``(1, B) @ (B, c)`` product per column
