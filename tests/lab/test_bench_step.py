@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dpvr_lab.bench import step
 
@@ -83,6 +84,21 @@ def test_the_diff2_round_reuses_its_recording() -> None:
         fns[name]()
         fns[name]()
     assert forwards == {"dpvr-diff2-ghost": 2, "dpvr-diff2-ghost-recompute": 4}
+
+
+def test_the_difference_rounds_are_timed_from_the_same_state() -> None:
+    """Every timed difference round starts from the same two points and radius (its update writes buffers
+    of its own), so a bench's later rounds time what its first did, never a diverging model."""
+    case = step.make_case("mlp", batch=4)
+    dpvr_step = step._restarted(case, reuse_recording=True)
+    points = [p.detach().clone() for p in dpvr_step.model.parameters()]
+    previous, move = [p.clone() for p in dpvr_step.prev], dpvr_step.move
+    for _ in range(3):
+        dpvr_step.diff_round()
+        assert dpvr_step.move == move
+        assert all(torch.equal(p, q) for p, q in zip(dpvr_step.model.parameters(), points))
+        assert all(torch.equal(p, q) for p, q in zip(dpvr_step.prev, previous))
+    assert not all(torch.equal(p, q.view(-1)) for p, q in zip(dpvr_step.stepped, points))  # the update ran
 
 
 @pytest.mark.parametrize("case", ["mlp", "gpt2"])

@@ -81,6 +81,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import cycle
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -580,11 +581,17 @@ class _Dpvr:
         self.releases = 0
         self.move = LR  # ||x_r - x_{r-1}||, updated by every step
         self.fresh = cycle(case.batches)
+        # Where a difference round's update writes its iterates (see diff_round).
+        self.stepped = [p.clone() for p in self.flat]
+        self.stepped_prev = [p.clone() for p in self.flat]
 
-    def _update(self, sums: Sequence[Tensor], radius: float, *, reset: bool, stream: str) -> None:
+    def _update(self, sums: Sequence[Tensor], radius: float, *, reset: bool, stream: str,
+                params: Sequence[Tensor] | None = None, params_prev: Sequence[Tensor] | None = None) -> Any:
+        """The fused noisy update of ``params`` (default: the model's, ``prev`` receiving them); returns the
+        norm of the parameter step."""
         self.releases += 1  # each release named, as the algorithms' ledgers name theirs
         self.generator.for_release(self.releases.to_bytes(8, "little"))
-        self.move = ops.noisy_update(
+        return ops.noisy_update(
             self.v,
             sum=[s.view(-1) for s in sums],
             scale=1.0 / self.case.batch,
@@ -592,8 +599,8 @@ class _Dpvr:
             reset=reset,
             generator=self.generator,
             stream=stream,
-            params=self.flat,
-            params_prev=self.prev_flat,
+            params=self.flat if params is None else params,
+            params_prev=self.prev_flat if params_prev is None else params_prev,
             lr=LR,
         )
 
@@ -603,9 +610,17 @@ class _Dpvr:
         # update takes a float64 sum beside float32 values): rounding them to float32 here would time a
         # step no algorithm takes.
         result = self.ghost.clipped_sum(x, y, CLIP, wide=True)
-        self._update(result.sums, CLIP, reset=True, stream="dp-sgd")
+        self.move = self._update(result.sums, CLIP, reset=True, stream="dp-sgd")
 
     def diff_round(self, *, fresh: bool = False, materialised: bool = False) -> None:
+        """One difference round between the model's point and the previous one, timed from the same state
+        every time: its update does the full work (the same kernel, flags and sizes) into buffers of its
+        own, so the two points, the radius and the noise keep their scale. Stepping the model instead made
+        the rounds diverge: the radius follows the last move and the noise the radius, a growth of ``LR
+        SIGMA CLIP2 sqrt(d) / B`` per round (about 50 on the ResNet, 230 on GPT-2 14M), so that a bench's
+        later rounds timed overflowing values (the ResNet's round went from 2.2 to 3.5 s by the sixth).
+        The kept recording is then the model's point, reused as it is in a run, and the previous point is
+        recorded: one recording per round either way."""
         x, y = next(self.fresh) if fresh else self.case.batches[0]
         radius = CLIP2 * float(self.move)  # on CUDA a device value: reading it waits for the device
         now = [p.detach() for p in self.params]
@@ -617,7 +632,8 @@ class _Dpvr:
         else:
             # float64 up to the noise, as the algorithms' difference rounds release them (ClippedGradients)
             sums = self.ghost.clipped_diff_sum(x, y, now, before, radius, wide=True).sums
-        self._update(sums, radius, reset=False, stream="difference")
+        self._update(sums, radius, reset=False, stream="difference", params=self.stepped,
+                     params_prev=self.stepped_prev)
 
 
 class _NativeTimer:
