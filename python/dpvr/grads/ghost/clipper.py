@@ -312,7 +312,7 @@ class GhostClipper:
         # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
         self.choices: dict[str, cost.Choice] = {}
         self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
-        self._pool: dict[int, list[Tensor]] = {}  # entries -> float64 buffers for large sums (_pooled)
+        self._pool: dict[tuple[torch.dtype, int], list[Tensor]] = {}  # kept buffers by size (_pooled)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the kept sum buffers behind (:meth:`_pooled`): they hold no state, only
@@ -671,6 +671,11 @@ class GhostClipper:
         parts: list[tuple[int, Part | Tied]] = []
         used: dict[int, list[Part]] = {}  # the parts of each shared parameter, one per module using it
         spent = 0.0  # bytes of the difference's own materialised parts
+        # The second point's recording, when no later call can read it (not kept, not the first point's), may
+        # have its materialised matrices overwritten by the difference: fresh ones would cost a page fault
+        # per page at every round.
+        disposable = rec_b is not None and rec_b is not rec and (self._kept is None
+                                                                  or self._kept.recording is not rec_b)
         with torch.no_grad():
             for layer in self._layers:
                 got, materialised = self._gradient_parts(rec, layer)
@@ -678,7 +683,9 @@ class GhostClipper:
                     if self._parts_only(layer, materialised):
                         # ``a u - b u'`` of the parts at both points (a kept recording's are formed already)
                         there = self._gradient_parts(rec_b, layer)[0]
-                        got = {attr: got[attr].combine(there[attr], a, b) for attr, _ in layer.params}
+                        got = {attr: got[attr].combine(there[attr], a, b, out=there[attr].u)
+                               if disposable and isinstance(got[attr], Dense) else
+                               got[attr].combine(there[attr], a, b) for attr, _ in layer.params}
                     else:  # the rule's own form, relative to the difference
                         got = self._checked(layer, layer.rule.difference(rec.calls[layer], rec_b.calls[layer],
                                                                           a, b))
@@ -791,6 +798,10 @@ class GhostClipper:
                         continue
                     batch, _, p, q = choice.shapes
                     rec.held += batch * p * q * choice.itemsize  # from the shapes: no unfolding
+                    if not part.by_convolution:  # a linear map's matrices are products, written into a buffer
+                        out = self._pooled(batch * p * q, part.piece_dtype())
+                        got[attr], materialised = Dense(part.per_sample(out=out)), True
+                        continue
                 elif not part.worth_materialising():  # off the host: the memory rule
                     continue
                 got[attr], materialised = Dense(part.per_sample()), True
@@ -925,8 +936,9 @@ class GhostClipper:
         zeros = torch.float64 if wide else dtype
         return [torch.zeros_like(p, dtype=zeros) if s is None else s for s, (_, p) in zip(sums, self._named)]
 
-    def _pooled(self, numel: int) -> Tensor | None:
-        """A float64 host buffer of ``numel`` entries for a part's clipped sum, or None (a fresh one).
+    def _pooled(self, numel: int, dtype: torch.dtype = torch.float64) -> Tensor | None:
+        """A host buffer of ``numel`` entries of ``dtype`` for a part's float64 clipped sum, or for the
+        per-sample matrices a linear map's part materialises (any other ``dtype``), or None (a fresh one).
 
         Why: the C library gives a large buffer new pages at most allocations (mapped afresh, or after
         trimming its heap), so every step's float64 sum of a large linear map was written to new pages, one
@@ -935,20 +947,24 @@ class GhostClipper:
         buffer is written again only when nothing outside the pool refers to its memory (the caller has
         dropped the previous sum and every view of it), so a sum still held is never overwritten; a model
         with several maps of one size (a transformer's blocks) keeps one buffer per map, and no more: a
-        caller that still holds the previous sums gets fresh ones. Between steps the pool holds the float64
-        sums of the large parameters (8 bytes per parameter, which every step needs at once anyway), up to
-        :data:`POOL_BYTES`."""
-        if numel * 8 < POOLED_BYTES or _storage_uses is None:
+        caller that still holds the previous sums gets fresh ones. Per-sample matrices are held only by the
+        clipper's recordings: a difference round's kept point holds one set, and the other point's, written
+        over by the difference, is free again once the round is done, so a round reuses the previous one's.
+        Between steps the pool holds the float64 sums of the large parameters (8 bytes per parameter, which
+        every step needs at once anyway) and those matrices, up to :data:`POOL_BYTES` in all."""
+        size = numel * dtype.itemsize
+        if size < POOLED_BYTES or _storage_uses is None:
             return None
-        buffers = self._pool.setdefault(numel, [])
+        buffers = self._pool.setdefault((dtype, numel), [])
         for held in buffers:
             if _storage_uses(held) == _FREE_USES:
                 return held
-        if len(buffers) == sum(p.numel() == numel for _, p in self._named):
+        if dtype == torch.float64 and len(buffers) == sum(p.numel() == numel for _, p in self._named):
             return None  # every one is held (a caller keeping the previous sums): a fresh one
-        if 8 * (numel + sum(b.numel() for held in self._pool.values() for b in held)) > POOL_BYTES:
+        kept = sum(b.numel() * b.element_size() for held in self._pool.values() for b in held)
+        if size + kept > POOL_BYTES:
             return None
-        buffers.append(torch.empty(numel, dtype=torch.float64))
+        buffers.append(torch.empty(numel, dtype=dtype))
         return buffers[-1]
 
     def _clip_layers(self, parts: list[tuple[int, Part | Tied]], radii: LayerRadii, weights: Tensor | None,

@@ -325,9 +325,10 @@ class Outer:
         :meth:`shapes` alone."""
         return cost.choose_sum(*self.shapes())
 
-    def per_sample(self) -> Tensor:
+    def per_sample(self, out: Tensor | None = None) -> Tensor:
         """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``, which the materialised form's
-        norms measure and its clipped sum writes.
+        norms measure and its clipped sum writes (into ``out``, a contiguous tensor of the pieces' dtype
+        with ``B q p`` entries, where given: the same products, so the same values).
 
         On the host each record's matrix is a product over the steps that record reads, batched over the
         records that read as many (:meth:`by_read_count`), for the reason :meth:`_record32_total` gives:
@@ -338,11 +339,12 @@ class Outer:
         that a batched product computes each record's matrix from that record's rows only."""
         if self.pieces[0][0].device.type == "cpu":
             batch, _, p, q, _ = self.shapes()
+            out = None if out is None else out.view(batch, q, p)
             groups = self.by_read_count()
             if len(groups) == 1 and groups[0][0].numel() == batch:  # every record reads every step
                 _, m, n = groups[0]
-                return n.transpose(1, 2) @ m
-            out = torch.zeros(batch, q, p, dtype=self.piece_dtype())
+                return torch.bmm(n.transpose(1, 2), m, out=out)
+            out = (torch.empty(batch, q, p, dtype=self.piece_dtype()) if out is None else out).zero_()
             for index, m, n in groups:
                 out.index_copy_(0, index, n.transpose(1, 2) @ m)
             return out
@@ -481,8 +483,14 @@ class Dense:
     def drop(self, bad: Tensor) -> Dense:
         return Dense(zero_rows(self.u, bad))
 
-    def combine(self, other: Dense, a: Tensor | None, b: Tensor | None) -> Dense:
-        return Dense(scale_rows(self.u, a) - scale_rows(other.u, b))
+    def combine(self, other: Dense, a: Tensor | None, b: Tensor | None, out: Tensor | None = None) -> Dense:
+        """``a_i u_i - b_i u'_i``, one subtraction per entry. ``out``: a tensor of the result's shape to
+        write it into where its dtype is the result's (else a fresh one); it may be ``other.u``, whose every
+        entry is read before it is written: the same values either way."""
+        here, there = scale_rows(self.u, a), scale_rows(other.u, b)
+        if out is None or out.dtype != torch.result_type(here, there):
+            return Dense(here - there)
+        return Dense(torch.sub(here, there, out=out))
 
 
 def weighted_sum64(f: Tensor, flat: Tensor, out: Tensor, accumulate: bool = False) -> Tensor:
