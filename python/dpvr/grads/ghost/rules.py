@@ -163,8 +163,8 @@ class Outer:
             # Scale the narrower side by the factors; one matmul contracts samples and steps together.
             m, n = (m, scale_rows(n, f)) if n.shape[-1] <= m.shape[-1] else (scale_rows(m, f), n)
             left, right = n.reshape(-1, n.shape[-1]).t(), m.reshape(-1, m.shape[-1])
-            if total is not None:
-                total.add_(left @ right)
+            if total is not None:  # added in place: a fresh product of a large map would take new pages
+                total.addmm_(left, right)
             elif out is not None:
                 total = torch.mm(left, right, out=out.view(left.shape[0], right.shape[1]))
             else:
