@@ -2,6 +2,7 @@
 rates only, the memory budget, the per-machine cache, and every form's clipped sums against float64
 per-record autograd."""
 
+import dataclasses
 import json
 import math
 
@@ -81,6 +82,7 @@ def test_rates_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path) -
     monkeypatch.setattr(cost, "_measured", {})
     calls = []
     monkeypatch.setattr(cost, "calibrate", lambda: calls.append(1) or RATES)
+    monkeypatch.setattr(cost, "_matmul32_rate", lambda m, n: RATES.matmul32)  # as quiet as the calibration
     assert cost.machine_rates() == RATES and cost.machine_rates() == RATES
     assert len(calls) == 1  # memoised in the process
     stored = json.loads((tmp_path / "dpvr" / "ghost_rates.json").read_text())
@@ -96,6 +98,26 @@ def test_rates_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path) -
     assert cost.machine_rates() == cost.DEFAULT_RATES
     with cost.pinned_rates(RATES):
         assert cost.machine_rates() == RATES
+
+
+def test_rates_measured_on_a_busy_machine_are_measured_again(monkeypatch, tmp_path) -> None:
+    """A cached matmul rate well below a fresh probe's is measured again, each rate kept at the higher of
+    its two measurements; a probe slower than the cache (the machine busy now) keeps the cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(cost.CALIBRATE_ENV, "1")
+    path = tmp_path / "dpvr" / "ghost_rates.json"
+    path.parent.mkdir(parents=True)
+    busy = dataclasses.replace(RATES, matmul32=RATES.matmul32 / 2, gram=RATES.gram * 2)
+    path.write_text(json.dumps({cost.machine_key(): dataclasses.asdict(busy)}))
+    calls = []
+    monkeypatch.setattr(cost, "calibrate", lambda: calls.append(1) or RATES)
+    for probe, want, measured in ((busy.matmul32, busy, 0), (RATES.matmul32, dataclasses.replace(
+            RATES, gram=busy.gram), 1), (RATES.matmul32 / 3, dataclasses.replace(RATES, gram=busy.gram), 1)):
+        monkeypatch.setattr(cost, "_measured", {})
+        monkeypatch.setattr(cost, "_matmul32_rate", lambda m, n, probe=probe: probe)
+        assert cost.machine_rates() == want and len(calls) == measured
+        stored = json.loads(path.read_text())[cost.machine_key()]
+        assert stored == dataclasses.asdict(want)
 
 
 def test_calibration_measures_positive_finite_rates() -> None:
