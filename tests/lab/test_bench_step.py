@@ -86,6 +86,23 @@ def test_the_diff2_round_reuses_its_recording() -> None:
     assert forwards == {"dpvr-diff2-ghost": 2, "dpvr-diff2-ghost-recompute": 4}
 
 
+@pytest.mark.slow  # a process per method
+def test_each_method_runs_in_a_process_of_its_own() -> None:
+    """``isolated``: one record per method, each timed against its own process's non-private step, and the
+    ratios between methods are ratios of those ratios."""
+    spec = {"name": "mlp", "batch": 4}
+    methods = ["non-private", "opacus-ghost-dp-sgd", "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost"]
+    records = step.run_isolated(spec, repeats=1, warmup=1, share_rounds=1, methods=methods)
+    assert [r.method for r in records] == methods
+    assert len({r.dataset for r in records}) == 1
+    got = {r.method: r.metrics for r in records}
+    assert got["non-private"]["ratio_vs_non_private"] == 1.0 and got["non-private"]["ms"] > 0
+    for name in methods[2:]:
+        assert got[name]["ms"] > 0 and 0 < got[name]["native_share"] <= 1
+        assert got[name]["ratio_vs_opacus_ghost"] == pytest.approx(
+            got[name]["ratio_vs_non_private"] / got["opacus-ghost-dp-sgd"]["ratio_vs_non_private"])
+
+
 def test_the_difference_rounds_are_timed_from_the_same_state() -> None:
     """Every timed difference round starts from the same two points and radius (its update writes buffers
     of its own), so a bench's later rounds time what its first did, never a diverging model."""

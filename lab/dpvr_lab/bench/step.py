@@ -72,12 +72,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import multiprocessing
 import os
 import re
+import statistics
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from itertools import cycle
@@ -720,12 +723,8 @@ def _under_autocast(fn: Callable[[], None], case: Case) -> Callable[[], None]:
     return step
 
 
-def _methods(case: Case, methods: Sequence[str] | None = None,
-             ) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
-    """The step of every method on ``case`` (each on its own copy of the model, run once), and why each
-    method that has none has none (Opacus missing or refusing the model; per-sample gradients too large
-    for this device; a method failing on this device, with its traceback printed: a finding to record, not
-    a reason to lose the other methods' figures)."""
+def _builders(case: Case) -> dict[str, Callable[[], Callable[[], None] | str]]:
+    """Per method that runs on ``case``, what builds its step (or gives why it has none)."""
     builders: dict[str, Callable[[], Callable[[], None] | str]] = {
         "non-private": lambda: _non_private(copy.deepcopy(case.model), case),
         "opacus-hooks-dp-sgd": lambda: _opacus_hooks(copy.deepcopy(case.model), case),
@@ -739,6 +738,16 @@ def _methods(case: Case, methods: Sequence[str] | None = None,
     }
     if case.name.startswith("mlp"):
         builders["dpvr-diff2-materialised"] = lambda: partial(_restarted(case).diff_round, materialised=True)
+    return builders
+
+
+def _methods(case: Case, methods: Sequence[str] | None = None,
+             ) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+    """The step of every method on ``case`` (each on its own copy of the model, run once), and why each
+    method that has none has none (Opacus missing or refusing the model; per-sample gradients too large
+    for this device; a method failing on this device, with its traceback printed: a finding to record, not
+    a reason to lose the other methods' figures)."""
+    builders = _builders(case)
     if methods is not None:
         unknown = set(methods) - set(builders)
         if unknown:
@@ -810,6 +819,54 @@ def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False, sha
     records += [Record(method=m, dataset=case.label, metrics={**common, "skipped": why})
                 for m, why in missing.items()]
     return records
+
+
+def _in_own_process(spec: dict[str, Any], methods: list[str], threads: int, options: dict[str, Any],
+                    ) -> list[Record]:
+    """:func:`run_case` of ``methods`` on the case ``spec`` describes (:func:`make_case`'s arguments), in
+    a fresh process (the target of :func:`run_isolated`'s workers)."""
+    torch.set_num_threads(threads)
+    return run_case(make_case(**spec), methods=methods, **options)
+
+
+def run_isolated(spec: dict[str, Any], *, repeats: int, warmup: int, memory: bool = False,
+                 share_rounds: int = 5, methods: Sequence[str] | None = None) -> list[Record]:
+    """:func:`run_case` with each method in a process of its own, timed against a non-private step
+    interleaved with it in that process; one record per method, as :func:`run_case` gives.
+
+    Why: a user trains one method per process. Nine methods in one process share the C library's heap, its
+    trimming and its page faults, and the cache: the ResNet's DP-SGD step took 1.46 s beside a non-private
+    step and a DIFF2 round against 1.34-1.37 s alone. Each method's ratio to the non-private step is its
+    own process's; ratios between methods (to Opacus, to the bare step) are ratios of those ratios, and the
+    non-private record's time is the median of the processes'. ``spec``: :func:`make_case`'s arguments."""
+    case = make_case(**spec)
+    label, names = case.label, [m for m in (methods or _builders(case)) if m != "non-private"]
+    del case  # each process makes its own
+    options = {"repeats": repeats, "warmup": warmup, "memory": memory, "share_rounds": share_rounds}
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no heap, cache or threads shared
+    own: dict[str, dict[str, Record]] = {}
+    for name in names:
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            got = pool.submit(_in_own_process, spec, ["non-private", name], torch.get_num_threads(), options)
+            own[name] = {r.method: r for r in got.result()}
+    timed = {name: rs[name].metrics for name, rs in own.items() if "ms" in rs[name].metrics}
+    references = [rs["non-private"].metrics for rs in own.values()]
+    reference = dict(references[0]) if references else {}
+    if references:
+        reference["ms"] = statistics.median(r["ms"] for r in references)
+    for name, metrics in timed.items():
+        for other, key in (("opacus-ghost-dp-sgd", "ratio_vs_opacus_ghost"),
+                           ("opacus-hooks-dp-sgd", "ratio_vs_opacus_hooks")):
+            if name.startswith("dpvr") and other in timed:
+                metrics[key] = metrics["ratio_vs_non_private"] / timed[other]["ratio_vs_non_private"]
+        if name == "dpvr-make-private-dp-sgd" and "dpvr-dp-sgd-bare" in timed:
+            metrics["ratio_vs_bare"] = (metrics["ratio_vs_non_private"]
+                                        / timed["dpvr-dp-sgd-bare"]["ratio_vs_non_private"])
+        if memory and name.startswith("dpvr") and "opacus-ghost-dp-sgd" in timed:
+            metrics["memory_vs_opacus_ghost"] = (metrics["peak_mib"]
+                                                 / max(timed["opacus-ghost-dp-sgd"]["peak_mib"], 1e-9))
+    return ([Record(method="non-private", dataset=label, metrics=reference)] if references else []) + [
+        own[name][name] for name in names]
 
 
 # The step costs dpvr aims at, as multiples of the non-private step (time; memory: 1.5x for every step).
@@ -934,17 +991,24 @@ def sequence_scaling(records: Sequence[Record]) -> list[tuple[str, float, float 
 
 def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, memory: bool = False,
         batch: int | None = None, device: str = "cpu", reduced: bool = False,
-        autocast: torch.dtype | None = None) -> list[Record]:
+        autocast: torch.dtype | None = None, isolated: bool = False) -> list[Record]:
     """Times each method on each case (``quick``: at most 3 rounds, 1 warm-up); ``batch`` overrides every
     case's batch size (tests run tiny rounds with it); ``reduced`` runs the real cases (:data:`REAL_CASES`)
-    at a small size, ``autocast`` every step under ``torch.autocast`` in that dtype. The real cases time
-    :data:`REAL_METHODS`, the others every method. One record per method and case."""
+    at a small size, ``autocast`` every step under ``torch.autocast`` in that dtype; ``isolated``: each
+    method in a process of its own (:func:`run_isolated`), else all in this one, interleaved. The real cases
+    time :data:`REAL_METHODS`, the others every method. One record per method and case."""
     records = []
     for name in cases:
-        case = make_case(name, batch, device, reduced=reduced and name in REAL_CASES, autocast=autocast)
-        records += run_case(case, repeats=min(repeats, 3) if quick else repeats, warmup=1 if quick else 2,
-                            memory=memory, share_rounds=2 if quick else 5,
-                            methods=REAL_METHODS if name in REAL_CASES else None)
+        spec = {"name": name, "batch": batch, "device": device, "reduced": reduced and name in REAL_CASES,
+                "autocast": autocast}
+        options = {"repeats": min(repeats, 3) if quick else repeats, "warmup": 1 if quick else 2,
+                   "memory": memory, "share_rounds": 2 if quick else 5,
+                   "methods": REAL_METHODS if name in REAL_CASES else None}
+        if isolated:
+            records += run_isolated(spec, **options)
+            continue
+        case = make_case(**spec)
+        records += run_case(case, **options)
         del case
         if device.startswith("cuda"):
             torch.cuda.empty_cache()  # the next case's models start from an empty cache

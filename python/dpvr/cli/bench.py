@@ -60,6 +60,12 @@ def _step_arguments(p: argparse.ArgumentParser) -> None:
         "--memory", action="store_true", help="step: add each step's peak tensor memory and its ratios"
     )
     p.add_argument(
+        "--one-process", action="store_true",
+        help="step: time every method in this process, interleaved, instead of each in a process of its "
+        "own against a non-private step interleaved with it there (methods sharing a process share its "
+        "heap and caches, which no user's training does)",
+    )
+    p.add_argument(
         "--scale", action="store_true",
         help="step: the cases that grow instead (a 10^7-parameter MLP and ResNet-style CNN, a 1.4 * 10^7 "
         "GPT-2 at sequence lengths 128, 512 and 1024; minutes), with time and memory fitted against T per "
@@ -135,7 +141,8 @@ def _step(args: argparse.Namespace) -> _Measured | None:
 
     autocast = torch.bfloat16 if args.autocast == "bf16" else None
     records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
-                       device=args.device, reduced=args.reduced, autocast=autocast)
+                       device=args.device, reduced=args.reduced, autocast=autocast,
+                       isolated=not args.one_process)
     headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
     metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "ratio_vs_opacus_hooks"]
     headers.append("host syncs" if args.device == "cuda" else "native share")
