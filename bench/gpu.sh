@@ -175,8 +175,9 @@ else
     resnet18-b1024:bf16:100 gpt2-small-b16:none:90 resnet18-b256:none:70; do
     IFS=: read -r case precision limit <<<"$spec"
     step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
+    # --one-process: a process per method would spend the device's minutes starting CUDA six times a case
     within "step benchmark $case $precision" "$limit" "${cli[@]}" bench step --device "$device" --case "$case" \
-      --autocast "$precision" --memory "${quick[@]}" "${reduced[@]}" \
+      --autocast "$precision" --memory --one-process "${quick[@]}" "${reduced[@]}" \
       --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
   done
   rounds=3
@@ -189,7 +190,7 @@ else
   for case in mlp cnn transformer; do
     step "benchmark: one step, $case (dpvr bench step --device $device), as time allows"
     within "step benchmark $case" 60 "${cli[@]}" bench step --device "$device" --case "$case" --memory \
-      "${quick[@]}" --json "$OUT_DIR/bench_step_${case}_$device.json"
+      --one-process "${quick[@]}" --json "$OUT_DIR/bench_step_${case}_$device.json"
   done
   step "profile: where each method's step time goes (bench/step_profile.py --device $device), as time allows"
   within "step profile" 90 "$PY" bench/step_profile.py --device "$device" --rounds "$rounds" > >(grep -v "^USDT:") 2>&1
