@@ -312,7 +312,7 @@ class GhostClipper:
         # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
         self.choices: dict[str, cost.Choice] = {}
         self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
-        self._pool: dict[tuple[torch.dtype, int], list[Tensor]] = {}  # kept buffers by size (_pooled)
+        self._pool: dict[tuple[str, torch.dtype, int], list[Tensor]] = {}  # kept buffers (_pooled)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the kept sum buffers behind (:meth:`_pooled`): they hold no state, only
@@ -799,7 +799,7 @@ class GhostClipper:
                     batch, _, p, q = choice.shapes
                     rec.held += batch * p * q * choice.itemsize  # from the shapes: no unfolding
                     if not part.by_convolution:  # a linear map's matrices are products, written into a buffer
-                        out = self._pooled(batch * p * q, part.piece_dtype())
+                        out = self._pooled(batch * p * q, part.piece_dtype(), matrices=True)
                         got[attr], materialised = Dense(part.per_sample(out=out)), True
                         continue
                 elif not part.worth_materialising():  # off the host: the memory rule
@@ -936,9 +936,10 @@ class GhostClipper:
         zeros = torch.float64 if wide else dtype
         return [torch.zeros_like(p, dtype=zeros) if s is None else s for s, (_, p) in zip(sums, self._named)]
 
-    def _pooled(self, numel: int, dtype: torch.dtype = torch.float64) -> Tensor | None:
-        """A host buffer of ``numel`` entries of ``dtype`` for a part's float64 clipped sum, or for the
-        per-sample matrices a linear map's part materialises (any other ``dtype``), or None (a fresh one).
+    def _pooled(self, numel: int, dtype: torch.dtype = torch.float64, *, matrices: bool = False
+                ) -> Tensor | None:
+        """A host buffer of ``numel`` entries of ``dtype`` for a part's float64 clipped sum (or, with
+        ``matrices``, for the per-sample matrices a linear map's part materialises), or None (a fresh one).
 
         Why: the C library gives a large buffer new pages at most allocations (mapped afresh, or after
         trimming its heap), so every step's float64 sum of a large linear map was written to new pages, one
@@ -955,11 +956,11 @@ class GhostClipper:
         size = numel * dtype.itemsize
         if size < POOLED_BYTES or _storage_uses is None:
             return None
-        buffers = self._pool.setdefault((dtype, numel), [])
+        buffers = self._pool.setdefault(("matrices" if matrices else "sum", dtype, numel), [])
         for held in buffers:
             if _storage_uses(held) == _FREE_USES:
                 return held
-        if dtype == torch.float64 and len(buffers) == sum(p.numel() == numel for _, p in self._named):
+        if not matrices and len(buffers) == sum(p.numel() == numel for _, p in self._named):
             return None  # every one is held (a caller keeping the previous sums): a fresh one
         kept = sum(b.numel() * b.element_size() for held in self._pool.values() for b in held)
         if size + kept > POOL_BYTES:
