@@ -312,7 +312,7 @@ class GhostClipper:
         # "layer.parameter" -> the latest form chosen for its Outer part under norm_form="auto" on the host
         self.choices: dict[str, cost.Choice] = {}
         self._scratch_room = cost.GRAM32_SCRATCH  # bytes the float32 Gram form's blocks may use (_parts)
-        self._pool: dict[tuple[str, torch.dtype, int], list[Tensor]] = {}  # kept buffers (_pooled)
+        self._pool: dict[int, list[Tensor]] = {}  # entries -> float64 buffers for large sums (_pooled)
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the kept sum buffers behind (:meth:`_pooled`): they hold no state, only
@@ -798,10 +798,6 @@ class GhostClipper:
                         continue
                     batch, _, p, q = choice.shapes
                     rec.held += batch * p * q * choice.itemsize  # from the shapes: no unfolding
-                    if not part.by_convolution:  # a linear map's matrices are products, written into a buffer
-                        out = self._pooled(batch * p * q, part.piece_dtype(), matrices=True)
-                        got[attr], materialised = Dense(part.per_sample(out=out)), True
-                        continue
                 elif not part.worth_materialising():  # off the host: the memory rule
                     continue
                 got[attr], materialised = Dense(part.per_sample()), True
@@ -936,10 +932,8 @@ class GhostClipper:
         zeros = torch.float64 if wide else dtype
         return [torch.zeros_like(p, dtype=zeros) if s is None else s for s, (_, p) in zip(sums, self._named)]
 
-    def _pooled(self, numel: int, dtype: torch.dtype = torch.float64, *, matrices: bool = False
-                ) -> Tensor | None:
-        """A host buffer of ``numel`` entries of ``dtype`` for a part's float64 clipped sum (or, with
-        ``matrices``, for the per-sample matrices a linear map's part materialises), or None (a fresh one).
+    def _pooled(self, numel: int) -> Tensor | None:
+        """A float64 host buffer of ``numel`` entries for a part's clipped sum, or None (a fresh one).
 
         Why: the C library gives a large buffer new pages at most allocations (mapped afresh, or after
         trimming its heap), so every step's float64 sum of a large linear map was written to new pages, one
@@ -948,24 +942,22 @@ class GhostClipper:
         buffer is written again only when nothing outside the pool refers to its memory (the caller has
         dropped the previous sum and every view of it), so a sum still held is never overwritten; a model
         with several maps of one size (a transformer's blocks) keeps one buffer per map, and no more: a
-        caller that still holds the previous sums gets fresh ones. Per-sample matrices are held only by the
-        clipper's recordings: a difference round's kept point holds one set, and the other point's, written
-        over by the difference, is free again once the round is done, so a round reuses the previous one's.
-        Between steps the pool holds the float64 sums of the large parameters (8 bytes per parameter, which
-        every step needs at once anyway) and those matrices, up to :data:`POOL_BYTES` in all."""
-        size = numel * dtype.itemsize
-        if size < POOLED_BYTES or _storage_uses is None:
+        caller that still holds the previous sums gets fresh ones. Between steps the pool holds the float64
+        sums of the large parameters (8 bytes per parameter, which every step needs at once anyway), up to
+        :data:`POOL_BYTES`. (Per-sample matrices are not pooled: kept between the rounds of GPT-2 14M, they
+        spared their own page faults at T = 128, a DIFF2 round 942 -> 902 ms, but the recording then took
+        new pages instead, and at T = 512 the round went from 3.81 to 4.42 s.)"""
+        if numel * 8 < POOLED_BYTES or _storage_uses is None:
             return None
-        buffers = self._pool.setdefault(("matrices" if matrices else "sum", dtype, numel), [])
+        buffers = self._pool.setdefault(numel, [])
         for held in buffers:
             if _storage_uses(held) == _FREE_USES:
                 return held
-        if not matrices and len(buffers) == sum(p.numel() == numel for _, p in self._named):
+        if len(buffers) == sum(p.numel() == numel for _, p in self._named):
             return None  # every one is held (a caller keeping the previous sums): a fresh one
-        kept = sum(b.numel() * b.element_size() for held in self._pool.values() for b in held)
-        if size + kept > POOL_BYTES:
+        if 8 * (numel + sum(b.numel() for held in self._pool.values() for b in held)) > POOL_BYTES:
             return None
-        buffers.append(torch.empty(numel, dtype=dtype))
+        buffers.append(torch.empty(numel, dtype=torch.float64))
         return buffers[-1]
 
     def _clip_layers(self, parts: list[tuple[int, Part | Tied]], radii: LayerRadii, weights: Tensor | None,

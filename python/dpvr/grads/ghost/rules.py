@@ -325,10 +325,9 @@ class Outer:
         :meth:`shapes` alone."""
         return cost.choose_sum(*self.shapes())
 
-    def per_sample(self, out: Tensor | None = None) -> Tensor:
+    def per_sample(self) -> Tensor:
         """The ``(B, q, p)`` per-sample matrices ``sum_j N_j[i]^T M_j[i]``, which the materialised form's
-        norms measure and its clipped sum writes (into ``out``, a contiguous tensor of the pieces' dtype
-        with ``B q p`` entries, where given: the same products, so the same values).
+        norms measure and its clipped sum writes.
 
         On the host each record's matrix is a product over the steps that record reads, batched over the
         records that read as many (:meth:`by_read_count`), for the reason :meth:`_record32_total` gives:
@@ -339,12 +338,11 @@ class Outer:
         that a batched product computes each record's matrix from that record's rows only."""
         if self.pieces[0][0].device.type == "cpu":
             batch, _, p, q, _ = self.shapes()
-            out = None if out is None else out.view(batch, q, p)
             groups = self.by_read_count()
             if len(groups) == 1 and groups[0][0].numel() == batch:  # every record reads every step
                 _, m, n = groups[0]
-                return torch.bmm(n.transpose(1, 2), m, out=out)
-            out = (torch.empty(batch, q, p, dtype=self.piece_dtype()) if out is None else out).zero_()
+                return n.transpose(1, 2) @ m
+            out = torch.zeros(batch, q, p, dtype=self.piece_dtype())
             for index, m, n in groups:
                 out.index_copy_(0, index, n.transpose(1, 2) @ m)
             return out
