@@ -89,6 +89,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from dpvr import ops
 from dpvr.grads import GhostClipper, per_sample_grads_at_two_points
@@ -845,7 +846,7 @@ def run_isolated(spec: dict[str, Any], *, repeats: int, warmup: int, memory: boo
     options = {"repeats": repeats, "warmup": warmup, "memory": memory, "share_rounds": share_rounds}
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no heap, cache or threads shared
     own: dict[str, dict[str, Record]] = {}
-    for name in names:
+    for name in tqdm(names, desc=label, unit="method", leave=False):
         with ProcessPoolExecutor(1, mp_context=context) as pool:
             got = pool.submit(_in_own_process, spec, ["non-private", name], torch.get_num_threads(), options)
             own[name] = {r.method: r for r in got.result()}
