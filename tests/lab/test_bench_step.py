@@ -115,7 +115,7 @@ def test_the_difference_rounds_are_timed_from_the_same_state() -> None:
         assert dpvr_step.move == move
         assert all(torch.equal(p, q) for p, q in zip(dpvr_step.model.parameters(), points))
         assert all(torch.equal(p, q) for p, q in zip(dpvr_step.prev, previous))
-    assert not all(torch.equal(p, q.view(-1)) for p, q in zip(dpvr_step.stepped, points))  # the update ran
+    assert not all(torch.equal(p, q.view(-1)) for p, q in zip(dpvr_step.stepped[0], points))  # the update ran
 
 
 @pytest.mark.parametrize("case", ["mlp", "gpt2"])

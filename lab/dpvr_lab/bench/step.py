@@ -82,7 +82,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from itertools import cycle
 from typing import Any
 
@@ -585,9 +585,12 @@ class _Dpvr:
         self.releases = 0
         self.move = LR  # ||x_r - x_{r-1}||, updated by every step
         self.fresh = cycle(case.batches)
-        # Where a difference round's update writes its iterates (see diff_round).
-        self.stepped = [p.clone() for p in self.flat]
-        self.stepped_prev = [p.clone() for p in self.flat]
+
+    @cached_property
+    def stepped(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Where a difference round's update writes its iterates and their previous values (see
+        :meth:`diff_round`): made at the first round, so the other steps hold no copies of the model."""
+        return [p.clone() for p in self.flat], [p.clone() for p in self.flat]
 
     def _update(self, sums: Sequence[Tensor], radius: float, *, reset: bool, stream: str,
                 params: Sequence[Tensor] | None = None, params_prev: Sequence[Tensor] | None = None) -> Any:
@@ -622,7 +625,7 @@ class _Dpvr:
         own, so the two points, the radius and the noise keep their scale. Stepping the model instead made
         the rounds diverge: the radius follows the last move and the noise the radius, a growth of ``LR
         SIGMA CLIP2 sqrt(d) / B`` per round (about 50 on the ResNet, 230 on GPT-2 14M), so that a bench's
-        later rounds timed overflowing values (the ResNet's round went from 2.2 to 3.5 s by the sixth).
+        later rounds timed a diverging model (the ResNet's round went from 2.2 to 3.5 s by the sixth).
         The kept recording is then the model's point, reused as it is in a run, and the previous point is
         recorded: one recording per round either way."""
         x, y = next(self.fresh) if fresh else self.case.batches[0]
@@ -636,8 +639,8 @@ class _Dpvr:
         else:
             # float64 up to the noise, as the algorithms' difference rounds release them (ClippedGradients)
             sums = self.ghost.clipped_diff_sum(x, y, now, before, radius, wide=True).sums
-        self._update(sums, radius, reset=False, stream="difference", params=self.stepped,
-                     params_prev=self.stepped_prev)
+        params, params_prev = self.stepped
+        self._update(sums, radius, reset=False, stream="difference", params=params, params_prev=params_prev)
 
 
 class _NativeTimer:
