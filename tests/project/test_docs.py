@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import pytest
 
@@ -34,6 +35,8 @@ EXAMPLE_PAGES = [DOCS / "index.md", DOCS / "guide.md"]
 _BLOCK = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", flags=re.S | re.M)
 _REQUIRES = re.compile(r"<!--\s*requires:\s*([\w\-, ]+?)\s*-->")
 _DIRECTIVE = re.compile(r"^:::\s*([\w.]+)", flags=re.M)
+# How torchrun reports a worker that a native abort ended (``exitcode: -6``).
+_NATIVE_ABORT = "Signal 6 (SIGABRT)"
 
 
 def python_blocks(page: pathlib.Path) -> list[str]:
@@ -73,8 +76,16 @@ def test_the_nine_tutorials_exist_and_have_code() -> None:
 @pytest.mark.parametrize("page", TUTORIALS, ids=[p.stem for p in TUTORIALS])
 def test_tutorial_runs(page: pathlib.Path, tmp_path: pathlib.Path) -> None:
     _skip_without_requirements(page)
-    result = _run("\n".join(python_blocks(page)), tmp_path, page.stem.replace("-", "_"))
-    assert result.returncode == 0, f"{page.name}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    script = "\n".join(python_blocks(page))
+    result = _run(script, tmp_path, page.stem.replace("-", "_"))
+    if result.returncode != 0 and _NATIVE_ABORT in result.stderr:
+        # A torchrun rank aborted inside torch's own native code (gloo's transport once aborted rank 0 of the
+        # data-parallel example on a loaded host, in 1 of many CI runs, not reproduced in 40 local runs under
+        # load): run the page once more, so that only a failure that comes back fails the test.
+        warnings.warn(f"{page.name}: a process aborted (SIGABRT); ran the page again:\n"
+                      f"{result.stderr[-8000:]}", stacklevel=1)
+        result = _run(script, tmp_path, page.stem.replace("-", "_"))
+    assert result.returncode == 0, f"{page.name}:\n{result.stdout[-2000:]}\n{result.stderr[-10000:]}"
 
 
 @pytest.mark.slow  # the README's own examples, at full length (tens of seconds each)
