@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -92,11 +94,16 @@ def test_each_method_runs_in_a_process_of_its_own() -> None:
     ratios between methods are ratios of those ratios."""
     spec = {"name": "mlp", "batch": 4}
     methods = ["non-private", "opacus-ghost-dp-sgd", "dpvr-dp-sgd-ghost", "dpvr-diff2-ghost"]
-    records = step.run_isolated(spec, repeats=1, warmup=1, share_rounds=1, methods=methods)
+    records = step.run_isolated(spec, repeats=1, warmup=1, share_rounds=1, methods=methods,
+                                keep_freed_memory=True)
     assert [r.method for r in records] == methods
     assert len({r.dataset for r in records}) == 1
     got = {r.method: r.metrics for r in records}
     assert got["non-private"]["ratio_vs_non_private"] == 1.0 and got["non-private"]["ms"] > 0
+    assert "max_rss_mib" not in got["non-private"]  # a process's peak, with the method timed there
+    for name in methods[1:]:  # each process kept its freed memory (glibc), as asked
+        assert got[name]["freed_memory"] == ("kept" if platform.libc_ver()[0] == "glibc" else "returned")
+        assert got[name]["max_rss_mib"] > 10
     for name in methods[2:]:
         assert got[name]["ms"] > 0 and 0 < got[name]["native_share"] <= 1
         assert got[name]["ratio_vs_opacus_ghost"] == pytest.approx(

@@ -826,15 +826,24 @@ def run_case(case: Case, *, repeats: int, warmup: int, memory: bool = False, sha
 
 
 def _in_own_process(spec: dict[str, Any], methods: list[str], threads: int, options: dict[str, Any],
-                    ) -> list[Record]:
+                    keep_freed_memory: bool = False) -> list[Record]:
     """:func:`run_case` of ``methods`` on the case ``spec`` describes (:func:`make_case`'s arguments), in
-    a fresh process (the target of :func:`run_isolated`'s workers)."""
+    a fresh process (the target of :func:`run_isolated`'s workers), each record with the process's peak
+    resident memory (``max_rss_mib``)."""
     torch.set_num_threads(threads)
-    return run_case(make_case(**spec), methods=methods, **options)
+    kept = keep_freed_memory and ops.keep_freed_memory()  # False where the C library is not glibc
+    records = run_case(make_case(**spec), methods=methods, **options)
+    import resource  # here only: a POSIX module, and only these workers read it
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    for r in records:
+        r.metrics.update(max_rss_mib=rss, freed_memory="kept" if kept else "returned")
+    return records
 
 
 def run_isolated(spec: dict[str, Any], *, repeats: int, warmup: int, memory: bool = False,
-                 share_rounds: int = 5, methods: Sequence[str] | None = None) -> list[Record]:
+                 share_rounds: int = 5, methods: Sequence[str] | None = None,
+                 keep_freed_memory: bool = False) -> list[Record]:
     """:func:`run_case` with each method in a process of its own, timed against a non-private step
     interleaved with it in that process; one record per method, as :func:`run_case` gives.
 
@@ -842,7 +851,8 @@ def run_isolated(spec: dict[str, Any], *, repeats: int, warmup: int, memory: boo
     trimming and its page faults, and the cache: the ResNet's DP-SGD step took 1.46 s beside a non-private
     step and a DIFF2 round against 1.34-1.37 s alone. Each method's ratio to the non-private step is its
     own process's; ratios between methods (to Opacus, to the bare step) are ratios of those ratios, and the
-    non-private record's time is the median of the processes'. ``spec``: :func:`make_case`'s arguments."""
+    non-private record's time is the median of the processes'. ``spec``: :func:`make_case`'s arguments;
+    ``keep_freed_memory``: every process runs :func:`dpvr.ops.keep_freed_memory` first."""
     case = make_case(**spec)
     label, names = case.label, [m for m in (methods or _builders(case)) if m != "non-private"]
     del case  # each process makes its own
@@ -851,13 +861,15 @@ def run_isolated(spec: dict[str, Any], *, repeats: int, warmup: int, memory: boo
     own: dict[str, dict[str, Record]] = {}
     for name in tqdm(names, desc=label, unit="method", leave=False):
         with ProcessPoolExecutor(1, mp_context=context) as pool:
-            got = pool.submit(_in_own_process, spec, ["non-private", name], torch.get_num_threads(), options)
+            got = pool.submit(_in_own_process, spec, ["non-private", name], torch.get_num_threads(), options,
+                              keep_freed_memory)
             own[name] = {r.method: r for r in got.result()}
     timed = {name: rs[name].metrics for name, rs in own.items() if "ms" in rs[name].metrics}
     references = [rs["non-private"].metrics for rs in own.values()]
     reference = dict(references[0]) if references else {}
     if references:
         reference["ms"] = statistics.median(r["ms"] for r in references)
+        reference.pop("max_rss_mib", None)  # each process's, with the method timed there
     for name, metrics in timed.items():
         for other, key in (("opacus-ghost-dp-sgd", "ratio_vs_opacus_ghost"),
                            ("opacus-hooks-dp-sgd", "ratio_vs_opacus_hooks")):
@@ -995,11 +1007,14 @@ def sequence_scaling(records: Sequence[Record]) -> list[tuple[str, float, float 
 
 def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, memory: bool = False,
         batch: int | None = None, device: str = "cpu", reduced: bool = False,
-        autocast: torch.dtype | None = None, isolated: bool = False) -> list[Record]:
+        autocast: torch.dtype | None = None, isolated: bool = False,
+        keep_freed_memory: bool = False) -> list[Record]:
     """Times each method on each case (``quick``: at most 3 rounds, 1 warm-up); ``batch`` overrides every
     case's batch size (tests run tiny rounds with it); ``reduced`` runs the real cases (:data:`REAL_CASES`)
     at a small size, ``autocast`` every step under ``torch.autocast`` in that dtype; ``isolated``: each
-    method in a process of its own (:func:`run_isolated`), else all in this one, interleaved. The real cases
+    method in a process of its own (:func:`run_isolated`), else all in this one, interleaved;
+    ``keep_freed_memory``: :func:`dpvr.ops.keep_freed_memory` in every process that times (in this one,
+    for the rest of its life, without ``isolated``). The real cases
     time :data:`REAL_METHODS`, the others every method. One record per method and case."""
     records = []
     for name in cases:
@@ -1009,8 +1024,10 @@ def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, 
                    "memory": memory, "share_rounds": 2 if quick else 5,
                    "methods": REAL_METHODS if name in REAL_CASES else None}
         if isolated:
-            records += run_isolated(spec, **options)
+            records += run_isolated(spec, **options, keep_freed_memory=keep_freed_memory)
             continue
+        if keep_freed_memory:
+            ops.keep_freed_memory()
         case = make_case(**spec)
         records += run_case(case, **options)
         del case

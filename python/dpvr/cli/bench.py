@@ -66,6 +66,11 @@ def _step_arguments(p: argparse.ArgumentParser) -> None:
         "heap and caches, which no user's training does)",
     )
     p.add_argument(
+        "--keep-freed-memory", action="store_true",
+        help="step: every timing process first lets the C library keep freed memory for reuse "
+        "(dpvr.ops.keep_freed_memory: fewer page faults, more resident memory; glibc only)",
+    )
+    p.add_argument(
         "--scale", action="store_true",
         help="step: the cases that grow instead (a 10^7-parameter MLP and ResNet-style CNN, a 1.4 * 10^7 "
         "GPT-2 at sequence lengths 128, 512 and 1024; minutes), with time and memory fitted against T per "
@@ -142,7 +147,7 @@ def _step(args: argparse.Namespace) -> _Measured | None:
     autocast = torch.bfloat16 if args.autocast == "bf16" else None
     records = step.run(cases=cases, quick=args.quick, repeats=args.repeats, memory=args.memory,
                        device=args.device, reduced=args.reduced, autocast=autocast,
-                       isolated=not args.one_process)
+                       isolated=not args.one_process, keep_freed_memory=args.keep_freed_memory)
     headers = ["case", "method", "ms", "x non-private", "x opacus ghost", "x opacus hooks"]
     metrics = ["ms", "ratio_vs_non_private", "ratio_vs_opacus_ghost", "ratio_vs_opacus_hooks"]
     headers.append("host syncs" if args.device == "cuda" else "native share")
@@ -150,6 +155,9 @@ def _step(args: argparse.Namespace) -> _Measured | None:
     if args.memory:
         headers += ["peak MiB", "mem x non-private", "mem x opacus ghost"]
         metrics += ["peak_mib", "memory_vs_non_private", "memory_vs_opacus_ghost"]
+    if not args.one_process:
+        headers.append("process max RSS MiB")
+        metrics.append("max_rss_mib")
     if args.plot:
         step.plot(records, args.plot)
     fits = step.sequence_scaling(records)

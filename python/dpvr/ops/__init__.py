@@ -12,6 +12,7 @@ from .kernels import (
     per_sample_norms,
     philox_words,
 )
+from .memory import keep_freed_memory
 from .noise import NoiseGenerator, NoiseKey, PredictableNoiseError
 from .threads import torch_threads
 
@@ -42,6 +43,7 @@ __all__ = [
     "clip_accumulate_diff",
     "clip_factors",
     "ghost_norms",
+    "keep_freed_memory",
     "noisy_update",
     "per_sample_norms",
     "philox_words",
