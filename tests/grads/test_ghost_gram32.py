@@ -115,6 +115,22 @@ def test_the_bound_holds_across_pieces_blocks_and_chunks(monkeypatch) -> None:
     torch.testing.assert_close(cut[0], whole[0], rtol=1e-6, atol=0)
 
 
+def test_transposed_recordings_are_read_in_place_with_the_same_values() -> None:
+    """A convolution's unfolded patches and output gradients are transposed views ``(B, T, w)`` of
+    ``(B, w, T)`` tensors: when every record reads every step they are read as they are (no copy), and the
+    Gram norms, their bounds and ``R`` equal those of contiguous copies bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    m = torch.randn(6, 72, 80, generator=g).transpose(1, 2)  # (B, T, p) = (6, 80, 72), steps of stride 1
+    n = torch.randn(6, 40, 80, generator=g).transpose(1, 2)
+    (_, read_m, read_n), = Outer([(m, n)]).by_read_count()
+    assert read_m.data_ptr() == m.data_ptr() and read_n.data_ptr() == n.data_ptr()
+    in_place = norms.gram32_term(Outer([(m, n)]))
+    copied = norms.gram32_term(Outer([(m.contiguous(), n.contiguous())]))
+    for a, b in zip(in_place, copied):
+        assert torch.equal(a, b)
+    assert (in_place[0] + in_place[1] >= exact_norms(m, n)).all()
+
+
 def test_no_steps() -> None:
     """A part whose steps were all left out (every output gradient zero) has norm 0 exactly."""
     value, bound, r = norms.gram32_term(Outer([(torch.zeros(3, 0, 4), torch.zeros(3, 0, 5))], 6))

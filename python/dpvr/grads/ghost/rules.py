@@ -254,7 +254,10 @@ class Outer:
 
     def by_read_count(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         """The records grouped by the number ``K`` of steps each reads (as :meth:`_own_steps`): per group,
-        the records' indices and their read steps, contiguous ``(b, K, p)`` and ``(b, K, q)``.
+        the records' indices and their read steps, ``(b, K, p)`` and ``(b, K, q)``: the recorded tensors
+        themselves where every record reads every step (a convolution's unfolded patches are a transposed
+        view, which the batched products read as it is: copying it cost the ResNet's float32 Gram norms of
+        a ``(32, 256, 2304)`` layer 105 ms against 61, the same values bit for bit), else copies.
 
         A record's rows in its group's tensors depend on that record alone (its read steps, in order, and
         ``K``), so a batched product over a group gives each record what a product over its own steps would,
@@ -268,7 +271,7 @@ class Outer:
         steps_all, batch = m.shape[1], m.shape[0]
         if bool((counts == steps_all).all()):
             every = torch.arange(batch, device=m.device)
-            return [(every, m.contiguous(), n.contiguous())] if steps_all else []
+            return [(every, m, n)] if steps_all else []
         groups = []
         for k in counts.unique().tolist():
             if k == 0:
