@@ -118,7 +118,9 @@ def test_the_bound_holds_across_pieces_blocks_and_chunks(monkeypatch) -> None:
 def test_transposed_recordings_are_read_in_place_with_the_same_values() -> None:
     """A convolution's unfolded patches and output gradients are transposed views ``(B, T, w)`` of
     ``(B, w, T)`` tensors: when every record reads every step they are read as they are (no copy), and the
-    Gram norms, their bounds and ``R`` equal those of contiguous copies bit for bit."""
+    Gram norms, their bounds and ``R`` equal those of contiguous copies bit for bit. A record's bound and
+    ``R`` equal its own in a batch of one bit for bit, and its value up to the float64 rounding of the sum
+    over its Gram entries (as with contiguous copies: a neighbour moves only float64 roundings)."""
     g = torch.Generator().manual_seed(3)
     m = torch.randn(6, 72, 80, generator=g).transpose(1, 2)  # (B, T, p) = (6, 80, 72), steps of stride 1
     n = torch.randn(6, 40, 80, generator=g).transpose(1, 2)
@@ -126,8 +128,12 @@ def test_transposed_recordings_are_read_in_place_with_the_same_values() -> None:
     assert read_m.data_ptr() == m.data_ptr() and read_n.data_ptr() == n.data_ptr()
     in_place = norms.gram32_term(Outer([(m, n)]))
     copied = norms.gram32_term(Outer([(m.contiguous(), n.contiguous())]))
+    alone = norms.gram32_term(Outer([(m[:1], n[:1])]))  # still transposed views
     for a, b in zip(in_place, copied):
         assert torch.equal(a, b)
+    torch.testing.assert_close(in_place[0][:1], alone[0], rtol=1e-13, atol=0.0)
+    for a, c in zip(in_place[1:], alone[1:]):
+        assert torch.equal(a[:1], c)
     assert (in_place[0] + in_place[1] >= exact_norms(m, n)).all()
 
 

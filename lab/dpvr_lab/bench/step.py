@@ -1017,6 +1017,8 @@ def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, 
     for the rest of its life, without ``isolated``). The real cases
     time :data:`REAL_METHODS`, the others every method. One record per method and case."""
     records = []
+    if keep_freed_memory and not isolated:
+        ops.keep_freed_memory()
     for name in cases:
         spec = {"name": name, "batch": batch, "device": device, "reduced": reduced and name in REAL_CASES,
                 "autocast": autocast}
@@ -1026,8 +1028,6 @@ def run(*, cases: Sequence[str] = CASES, quick: bool = False, repeats: int = 7, 
         if isolated:
             records += run_isolated(spec, **options, keep_freed_memory=keep_freed_memory)
             continue
-        if keep_freed_memory:
-            ops.keep_freed_memory()
         case = make_case(**spec)
         records += run_case(case, **options)
         del case

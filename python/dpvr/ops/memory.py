@@ -19,7 +19,7 @@ def keep_freed_memory(limit: int = _INT_MAX) -> bool:
     Why: a private step forms large temporaries (recorded activations, unfolded convolution patches,
     per-sample matrices, float64 sums) that glibc maps afresh above its 32 MiB threshold and unmaps when
     freed, so every step pays a page fault for each 4 KiB it touches again. With two threads on a 2-core
-    AVX-512 host a ResNet's DP-SGD step took about 80 000 page faults; kept, about 4 000 (measured in
+    AVX-512 host a ResNet's DP-SGD step took 80 000-93 000 page faults; kept, at most about 4 000 (measured in
     docs/benchmarks.md, with the resident memory it costs).
 
     It is process-wide and lasts for the process (glibc's adaptive threshold, once set, stays off), like
