@@ -124,7 +124,7 @@ def test_transposed_recordings_are_read_in_place_with_the_same_values() -> None:
     g = torch.Generator().manual_seed(3)
     m = torch.randn(6, 72, 80, generator=g).transpose(1, 2)  # (B, T, p) = (6, 80, 72), steps of stride 1
     n = torch.randn(6, 40, 80, generator=g).transpose(1, 2)
-    (_, read_m, read_n), = Outer([(m, n)]).by_read_count()
+    (_, [(read_m, read_n)]), = Outer([(m, n)]).by_read_count()
     assert read_m.data_ptr() == m.data_ptr() and read_n.data_ptr() == n.data_ptr()
     in_place = norms.gram32_term(Outer([(m, n)]))
     copied = norms.gram32_term(Outer([(m.contiguous(), n.contiguous())]))

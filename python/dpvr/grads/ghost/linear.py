@@ -32,6 +32,7 @@ from .rules import (
     same_tensor,
     scale_rows,
     steps,
+    steps_read,
     zero_rows,
 )
 
@@ -87,7 +88,7 @@ def read_steps(m: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
     """
     if n.dim() != 3 or n.shape[1] == 1 or n.device.type != "cpu":
         return m, n
-    kept = n.any(dim=2).any(dim=0)
+    kept = steps_read(n).any(dim=0)
     if bool(kept.all()):
         return m, n
     return m[:, kept], n[:, kept]

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ... import ops
 from .cost import GRAM32_BLOCK, GRAM32_ENTRY_BYTES, GRAM32_SCRATCH
-from .rules import Dense, Outer, Part, Rows, Tied
+from .rules import Dense, Outer, Part, Rows, Tied, with_steps
 
 U64 = 2.0 ** -53
 SCRATCH_ENTRIES = 1 << 24  # float64 entries of one chunk's per-sample matrices (128 MiB)
@@ -270,26 +270,33 @@ def gram32_term(part: Outer, scratch: float | None = None) -> tuple[Tensor, Tens
     some record of the batch reads (:func:`~dpvr.grads.ghost.linear.read_steps`) would let a neighbour move
     every other record's norm, and so its factor and term, within its bound: a shift no accountant prices.
     """
-    pieces = _as_steps(part.pieces)
+    pieces = with_steps(part.pieces)
     if any(m.dtype != torch.float32 or n.dtype != torch.float32 for m, n in pieces):
         raise ValueError("the float32 Gram form takes float32 pieces; use the float64 forms for "
                          f"{pieces[0][0].dtype}")
     batch, device = pieces[0][0].shape[0], pieces[0][0].device
     value, bound, r_up = (torch.zeros(batch, dtype=torch.float64, device=device) for _ in range(3))
-    for index, m, n in part.by_read_count():  # records that read nothing: u_i = 0 exactly
-        for total, got in zip((value, bound, r_up), _gram32_group(m, n, scratch)):
+    for index, group in part.by_read_count():  # records that read nothing: u_i = 0 exactly
+        for total, got in zip((value, bound, r_up), _gram32_group(group, scratch)):
             total.index_copy_(0, index, got)
     return value, bound, r_up
 
 
-def _gram32_group(m: Tensor, n: Tensor, scratch: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`gram32_term` of records that each read all ``K`` steps of ``(b, K, p)`` and ``(b, K, q)``."""
-    (batch, steps, p), q, device = m.shape, n.shape[-1], m.device
+def _gram32_group(pieces: Sequence[tuple[Tensor, Tensor]], scratch: float | None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`gram32_term` of records that each read all ``K = sum_j K_j`` steps of the ``(b, K_j, p)`` and
+    ``(b, K_j, q)`` pieces, each piece's steps cut into blocks of its own (never a copy joining them)."""
+    (batch, _, p), q, device = pieces[0][0].shape, pieces[0][1].shape[-1], pieces[0][0].device
+    steps = sum(m.shape[1] for m, _ in pieces)
     g_p, g_q, c_p, c_q, coef_r = gram32_constants(steps, p, q, reduced_precision_unit(False, device))
     kappas = [_kappa(width, g) for width, g in ((p, g_p), (q, g_q))]
     chain = 2.0 * steps * steps + 8.0
     # (m block, n block, first step)
-    blocks = [(m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], s) for s in range(0, steps, GRAM32_BLOCK)]
+    blocks, first = [], 0
+    for m, n in pieces:
+        blocks += [(m[:, s:s + GRAM32_BLOCK], n[:, s:s + GRAM32_BLOCK], first + s)
+                   for s in range(0, m.shape[1], GRAM32_BLOCK)]
+        first += m.shape[1]
     value = torch.zeros(batch, dtype=torch.float64, device=device)
     # The diagonal pairs first: they give the norms (alpha, beta) that every pair's bound reads.
     pairs = [(i, i) for i in range(len(blocks))]
@@ -325,9 +332,8 @@ def _gram32_group(m: Tensor, n: Tensor, scratch: float | None) -> tuple[Tensor, 
     bad = ~torch.isfinite(value + bound)
     if bool(bad.any()):  # not finite data, or float32 entries that overflowed: in float64
         rows = bad.nonzero().squeeze(1)
-        v64, b64 = _term(Outer([(m[rows], n[rows])]), "auto")
-        r64 = (torch.linalg.vector_norm(m[rows], dim=2, dtype=torch.float64)
-               * torch.linalg.vector_norm(n[rows], dim=2, dtype=torch.float64)).sum(dim=1)
+        v64, b64 = _term(Outer([(m[rows], n[rows]) for m, n in pieces]), "auto")
+        r64 = outer_bound([(m[rows], n[rows]) for m, n in pieces], rows.numel(), device)
         value, bound = value.index_put((rows,), v64), bound.index_put((rows,), b64)
         r_up = r_up.index_put((rows,), r64)
     return value, bound, r_up
@@ -499,7 +505,7 @@ def _part_error(part: Part, batch: int, dtype: torch.dtype, device: torch.device
     if dtype == torch.float32 and not isinstance(part, Rows):  # Rows.total multiplies elementwise
         reduced = 2.0 * reduced_precision_unit(isinstance(part, Outer) and part.by_convolution, device)
     if isinstance(part, Outer):
-        pieces = _as_steps(part.pieces)
+        pieces = with_steps(part.pieces)
         r = outer_bound(pieces, batch, device) if known is None else known
         terms = sum(m.shape[1] for m, _ in pieces)
         width = max(m.shape[-1] + n.shape[-1] for m, n in pieces)
@@ -549,7 +555,7 @@ def record32_error(part: Outer, batch: int, device: torch.device, known: Tensor 
     The cancelling steps, calls or pieces that make ``R_i`` far exceed ``||u_i||`` are why the bound is not
     relative to ``||u_i||``.
     """
-    pieces = _as_steps(part.pieces)
+    pieces = with_steps(part.pieces)
     p, q = pieces[0][0].shape[-1], pieces[0][1].shape[-1]
     largest_m = torch.cat([_step_max_abs(m) for m, _ in pieces], dim=1)
     largest_n = torch.cat([_step_max_abs(n) for _, n in pieces], dim=1)
@@ -575,11 +581,6 @@ def _step_max_abs(t: Tensor) -> Tensor:
     minimum, negated exactly): ``(B, T)``, NaN where the step is not finite. ``abs`` would write a copy of
     the piece, and a maximum-norm reduction ran 3-7 times slower on the host."""
     return torch.maximum(t.amax(dim=-1), -t.amin(dim=-1))
-
-
-def _as_steps(pieces: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-    """An Outer part's pieces with a steps dimension: ``(B, p)`` sides as ``(B, 1, p)``."""
-    return [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in pieces]
 
 
 def outer_bound(pieces: Sequence[tuple[Tensor, Tensor]], batch: int, device: torch.device) -> Tensor:
