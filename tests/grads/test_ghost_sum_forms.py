@@ -225,6 +225,34 @@ def test_chunks_of_records_add_up_to_the_whole(no_materialised, monkeypatch) -> 
     assert float((part.total(f, shape) - whole).norm()) <= 2 * float(f @ error)
 
 
+def test_wide_records_are_summed_a_block_of_columns_at_a_time(no_materialised, monkeypatch) -> None:
+    """A convolution's record matrices wider than tall and larger than a quarter of a chunk are summed a
+    block of the sum's columns at a time (every record's block added while the block stays in cache): each
+    record's term within its priced bound of the exact one, and the sum within float64 roundings plus the
+    priced bounds of the records-first order's."""
+    torch.manual_seed(4)
+    model = Conv(1, 1)
+    x, y = torch.randn(6, 192), torch.randn(6)
+    with cost.forced_sums("record32"):
+        ((k, part),) = outer_parts(GhostClipper(model, mse), x, y)
+    assert part.pieces and part.steps_formed()  # unfolded, as a norm form leaves them
+    shape, f = torch.Size([8, 27]), torch.rand(6).to(torch.float64)
+    records_first = part.total(f, shape).clone()
+    blocks = []
+    original = Outer._record32_by_block
+    monkeypatch.setattr(Outer, "_record32_by_block", lambda self, *a: blocks.append(1) or original(self, *a))
+    monkeypatch.setattr(cost, "RECORD32_ENTRIES", 2 * 8 * 27)  # a record fills half a chunk
+    monkeypatch.setattr(cost, "RECORD32_SUM_BLOCK", 8 * 5)  # columns 5 at a time: 27 = 5 * 5 + 2
+    by_block = part.total(f, shape)
+    assert blocks
+    error = norms.write_error([(k, part)], 6, torch.float32, torch.device("cpu"), accumulate=torch.float64)
+    u, r = exact_matrices(part)
+    for i in range(6):
+        gap = (part.total(torch.eye(6, dtype=torch.float64)[i], shape).double().reshape(-1) - u[i]).norm()
+        assert float(gap) <= float(error[i] + 1e-12 * r[i])
+    assert float((by_block - records_first).norm()) <= 2 * float(f @ error) + 1e-12 * float(f @ r)
+
+
 class TiedHead(nn.Module):
     """An embedding and an output head holding one matrix (a Tied part: rows and a map of 6 steps)."""
 

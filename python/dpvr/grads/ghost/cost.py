@@ -106,6 +106,10 @@ SUM_FORMS = ("float64", "record32")
 # float32 entries of one block of a record's matrix in the "record32" sum (16 MiB): below the C library's
 # threshold for mapping fresh pages, so the block's buffer is reused without page faults.
 RECORD32_ENTRIES = 1 << 22
+# entries of the (q, p) float64 sum formed at a time when one record's matrix fills a quarter of a block or
+# more and is wider than tall (Outer._record32_by_block): 2 MiB, which stays in cache while every record's
+# block is added to it.
+RECORD32_SUM_BLOCK = 1 << 18
 # bytes moved per entry of a record's float32 matrix: written and read (8), its float64 block written and
 # read in cache (16); matches the weighted column-block sum's measured rate on a 2-core AVX-512 host.
 RECORD32_ENTRY_TRAFFIC = 24.0

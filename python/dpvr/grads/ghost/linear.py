@@ -203,6 +203,10 @@ class ConvOuter(Outer):
             out = term if out is None else out.add_(term)
         return out
 
+    def steps_formed(self) -> bool:
+        """Whether a norm form unfolded the patches already."""
+        return "pieces" in self.__dict__
+
     def _steps_of(self, rows: slice) -> tuple[Tensor, Tensor]:
         """As :meth:`Outer._steps_of`; without unfolded :attr:`pieces`, the records ``rows`` of every call
         unfolded alone (the steps that add nothing kept: they add exact zeros)."""
