@@ -229,7 +229,8 @@ def test_wide_records_are_summed_a_block_of_columns_at_a_time(no_materialised, m
     """A convolution's record matrices wider than tall and larger than a quarter of a chunk are summed a
     block of the sum's columns at a time (every record's block added while the block stays in cache): each
     record's term within its priced bound of the exact one, and the sum within float64 roundings plus the
-    priced bounds of the records-first order's."""
+    priced bounds of the records-first order's. The order follows the shapes only: a neighbour that leaves
+    steps unread takes the same order (its own steps copied) and moves no other record's term."""
     torch.manual_seed(4)
     model = Conv(1, 1)
     x, y = torch.randn(6, 192), torch.randn(6)
@@ -251,6 +252,14 @@ def test_wide_records_are_summed_a_block_of_columns_at_a_time(no_materialised, m
         gap = (part.total(torch.eye(6, dtype=torch.float64)[i], shape).double().reshape(-1) - u[i]).norm()
         assert float(gap) <= float(error[i] + 1e-12 * r[i])
     assert float((by_block - records_first).norm()) <= 2 * float(f @ error) + 1e-12 * float(f @ r)
+    # a neighbour that leaves steps unread (a copy of its own steps) moves no other record's term
+    m, n = torch.randn(4, 30, 27), torch.randn(4, 30, 8)
+    n_b = n.clone()
+    n_b[3, ::2] = 0
+    blocks.clear()
+    terms = [Outer([(m, n_)], sum_form="record32").total(torch.eye(4, dtype=torch.float64)[0], shape)
+             for n_ in (n, n_b)]
+    assert len(blocks) == 2 and torch.equal(*terms)
 
 
 class TiedHead(nn.Module):

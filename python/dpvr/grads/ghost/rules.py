@@ -254,9 +254,7 @@ class Outer:
         _, p, q = self.sizes()
         total = (torch.empty(q * p, dtype=f.dtype, device=f.device) if out is None else out.view(-1))
         if 4 * p * q > cost.RECORD32_ENTRIES and p > q and len(self.pieces) == 1 and self.steps_formed():
-            m, n = self._steps_of(slice(None))  # the recorded tensors themselves (one piece)
-            if bool(steps_read(n).all()):
-                return self._record32_by_block(f, m, n, total).view(shape)
+            return self._record32_by_block(f, total, p, q).view(shape)
         size = min(batch, max(1, cost.RECORD32_ENTRIES // max(p * q, 1)))  # records whose terms join one sum
         block = min(q, max(1, cost.RECORD32_ENTRIES // max(p, 1)))  # rows of a record's matrix at a time
         buffer = torch.empty(size * block * p, dtype=torch.float32, device=f.device)
@@ -272,26 +270,28 @@ class Outer:
                 weighted_sum64(f[rows], chunk.view(b, -1), total[lo * p:hi * p], accumulate=start > 0)
         return total.view(shape)
 
-    def _record32_by_block(self, f: Tensor, m: Tensor, n: Tensor, total: Tensor) -> Tensor:
-        """:meth:`_record32_total` of records that each read every step of ``(B, K, p)`` and ``(B, K, q)``
-        and whose ``(q, p)`` matrices are large and wider than tall (a convolution's): a block of
-        :data:`~dpvr.grads.ghost.cost.RECORD32_SUM_BLOCK` entries of the sum's columns at a time, into which
-        every record's block of its matrix is formed and added while the block stays in cache. Records
-        outermost, the float64 sum (19 MB for a 512-channel 3x3 convolution) went through memory once per
-        record: 147 ms against 103 ms for 32 such records on two host cores (86 against 56 ms with 16
-        steps). Each record's block is one float32 matmul over its own steps, of a shape fixed by ``p`` and
-        ``q`` (so it follows the record alone), and each entry adds the records' terms in their order, in
-        float64."""
-        batch, _, p = m.shape
-        q = n.shape[-1]
+    def _record32_by_block(self, f: Tensor, total: Tensor, p: int, q: int) -> Tensor:
+        """:meth:`_record32_total` for one formed piece whose records' ``(q, p)`` matrices are large and
+        wider than tall (a convolution's): a block of :data:`~dpvr.grads.ghost.cost.RECORD32_SUM_BLOCK`
+        entries of the sum's columns at a time, into which every record's block of its matrix is formed
+        and added while the block stays in cache. Records outermost, the float64 sum (19 MB for a
+        512-channel 3x3 convolution) went through memory once per record: 147 ms against 103 ms for 32
+        such records on two host cores (86 against 56 ms with 16 steps).
+
+        Which order runs follows the part's shapes only, never the values: each record's block is one
+        float32 matmul over its own read steps (a view of its rows, or a copy of its read steps), of a shape
+        fixed by ``p``, ``q`` and its own step count, so it follows the record alone; each entry adds the
+        records' terms in their order, in float64. The copies (records that leave steps unread) are made
+        once, at most the piece's size."""
+        own = self._own_steps(slice(None))
         width = min(p, max(1, cost.RECORD32_SUM_BLOCK // q))
         buffer = torch.empty(q * width, dtype=torch.float32, device=f.device)
         columns = torch.empty(q * width, dtype=f.dtype, device=f.device)
         for lo in range(0, p, width):
             hi = min(lo + width, p)
             block, chunk = columns[:q * (hi - lo)], buffer[:q * (hi - lo)].view(q, hi - lo)
-            for j in range(batch):
-                torch.mm(n[j].t(), m[j, :, lo:hi], out=chunk)
+            for j, (mj, nj) in enumerate(own):
+                torch.mm(nj.t(), mj[:, lo:hi], out=chunk)
                 weighted_sum64(f[j:j + 1], chunk.view(1, -1), block, accumulate=j > 0)
             total.view(q, p)[:, lo:hi] = block.view(q, hi - lo)
         return total
