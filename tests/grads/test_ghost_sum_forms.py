@@ -485,7 +485,7 @@ def test_a_records_float32_matrix_does_not_follow_the_steps_its_neighbours_read(
 
 def test_a_differences_pieces_are_read_as_recorded_and_grouped_by_what_each_record_reads() -> None:
     """A difference's part has a piece per point. Where every record reads every step, the float32 forms
-    read the recorded pieces themselves (neither copied nor joined: the join copied 190 MB a round on the
+    read the recorded pieces themselves (neither copied nor joined: the join copied 340 MB a round on the
     ResNet); where a neighbour reads fewer steps of one piece, the records are grouped by their read count
     per piece. Record 0, which reads every step, keeps its materialised matrix and its float32 Gram bound
     and ``R`` bit for bit either way, and its Gram value up to the float64 rounding of its sum: its blocks

@@ -62,6 +62,9 @@ def with_steps(pieces: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Te
     return [(m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n) for m, n in pieces]
 
 
+_HEAD = 8  # entries of a step read first by steps_read
+
+
 def steps_read(n: Tensor) -> Tensor:
     """Whether each step of output gradients ``n`` (``(..., q)``) is read: has an entry that is not zero
     (NaN included, a zero of either sign not), i.e. ``n.any(dim=-1)``, with the same values.
@@ -75,9 +78,6 @@ def steps_read(n: Tensor) -> Tensor:
     if n.shape[-1] <= _HEAD or bool(read.all()):
         return read
     return n.amax(dim=-1).ne(0) | n.amin(dim=-1).ne(0)
-
-
-_HEAD = 8  # entries of a step read first by steps_read
 
 
 def summed(ts: Sequence[Tensor]) -> Tensor:
@@ -316,7 +316,7 @@ class Outer:
         step these are the recorded pieces themselves: neither copied nor joined (a convolution's unfolded
         patches are a transposed view, which the batched products read as it is: copying it cost the
         ResNet's float32 Gram norms of a ``(32, 256, 2304)`` layer 105 ms against 61, the same values bit
-        for bit; joining a difference's two points copied 190 MB a round there). Else copies.
+        for bit; joining a difference's two points copied 340 MB a round there). Else copies.
 
         A record's tensors in its group depend on that record alone (its read steps per piece, in order,
         and their counts), so a batched product over a group gives each record what a product over its own
