@@ -33,6 +33,7 @@ from .rules import (
     scale_rows,
     steps,
     steps_read,
+    with_steps,
     zero_rows,
 )
 
@@ -227,8 +228,7 @@ class ConvOuter(Outer):
         samples and steps in some order), so the rounding bound of
         :func:`~dpvr.grads.ghost.norms.write_error` holds unchanged."""
         out = None
-        for m, n in self.pieces:
-            m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+        for m3, n3 in with_steps(self.pieces):
             per_sample = m3.shape[1] * (m3.shape[2] + n3.shape[2]) * f.element_size()
             size = max(1, int(_TOTAL_CHUNK_BYTES // max(per_sample, 1)))
             for start in range(0, m3.shape[0], size):

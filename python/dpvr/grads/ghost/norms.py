@@ -128,8 +128,7 @@ def _cross(part: Tied) -> tuple[Tensor, Tensor]:
     value = torch.zeros(batch, dtype=torch.float64, device=r.device)
     magnitude = torch.zeros_like(value)
     chain = float(r.shape[2] + 1 + len(part.outer.pieces))
-    for m, n in part.outer.pieces:
-        m3, n3 = (m.unsqueeze(1), n.unsqueeze(1)) if m.dim() == 2 else (m, n)
+    for m3, n3 in with_steps(part.outer.pieces):
         steps = m3.shape[1]
         chain += steps * slots
 

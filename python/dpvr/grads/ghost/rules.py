@@ -247,9 +247,9 @@ class Outer:
         distance from ``f_i u_i`` is priced by :func:`~dpvr.grads.ghost.norms.record32_error` (``gamma_K R_i``
         with the float32 unit, ``K`` the steps the record reads). The records' terms are
         summed a chunk at a time (chunks fixed by ``p``, ``q`` and ``B``): a float64 sum, whose order of
-        additions only moves float64 roundings. Records whose matrices are large are summed a block of the
-        sum at a time instead (:meth:`_record32_by_block`). ``f``: float64 factors; ``out``: as for
-        :meth:`total`."""
+        additions only moves float64 roundings. One formed piece whose records' matrices are large and wider
+        than tall is summed a block of the sum's columns at a time instead (:meth:`_record32_by_block`).
+        ``f``: float64 factors; ``out``: as for :meth:`total`."""
         batch = f.shape[0]
         _, p, q = self.sizes()
         total = (torch.empty(q * p, dtype=f.dtype, device=f.device) if out is None else out.view(-1))
