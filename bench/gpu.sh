@@ -5,11 +5,12 @@
 #                         (memcheck, racecheck) over a driver of every kernel path
 #   bench/gpu.sh bench    stage 2: the kernels against a device-to-device copy, torch eager and Opacus; one
 #                         full step (non-private, Opacus hooks and ghost, dpvr's make_private DP-SGD step and
-#                         its DIFF2 round) at the sizes users train (dpvr bench step --real: GPT-2 small T = 512
-#                         B = 16 and 32, ResNet-18 B = 256 and 1024, BERT-base T = 128 B = 32) under bf16
-#                         autocast, then GPT-2 B = 16 and ResNet-18 B = 256 in float32, with peak memory and host
-#                         syncs; the kernels each step launches (bench/step_profile.py); then, as time allows,
-#                         the small MLP, CNN and transformer cases and their profile
+#                         its DIFF2 round) at the sizes users train (dpvr bench step --real), with peak memory
+#                         and host syncs: the two target cases (GPT-2 small T = 512 B = 16, ResNet-18 B = 256)
+#                         under bf16 autocast and the kernels each of their steps launches (bench/step_profile.py)
+#                         first; then BERT-base T = 128 B = 32, GPT-2 B = 32 and ResNet-18 B = 1024 under bf16,
+#                         the two targets in float32; then, as time allows, the small MLP, CNN and transformer
+#                         cases and their profile
 #   bench/gpu.sh all      both, one after the other (planned to fit one 10-minute call: stage 1 about 80 s,
 #                         stage 2 at most BENCH_BUDGET seconds, default 420)
 #
@@ -169,23 +170,30 @@ else
   }
   "$PY" -c "import transformers" 2>/dev/null ||
     echo "transformers is missing: the GPT-2 and BERT cases will fail (bench/gpu_wheels.sh carries it)"
-  # The real cases under bf16 autocast (as users train), most wanted first; then float32 for the two
-  # target cases. One process per case: a case that fails or runs out of time leaves the others' figures.
-  for spec in gpt2-small-b16:bf16:90 resnet18-b256:bf16:70 bert-base-b32:bf16:70 gpt2-small-b32:bf16:100 \
-    resnet18-b1024:bf16:100 gpt2-small-b16:none:90 resnet18-b256:none:70; do
-    IFS=: read -r case precision limit <<<"$spec"
+  real_step() {  # real_step CASE PRECISION SECONDS: one real case's step benchmark
+    local case=$1 precision=$2 limit=$3
     step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
     # --one-process: a process per method would spend the device's minutes starting CUDA six times a case
     within "step benchmark $case $precision" "$limit" "${cli[@]}" bench step --device "$device" --case "$case" \
       --autocast "$precision" --memory --one-process "${quick[@]}" "${reduced[@]}" \
       --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
-  done
+  }
   rounds=3
   if [ "$DRY" = 1 ]; then rounds=1; fi
+  # The two target cases under bf16 autocast (as users train) and their profiles first, so that a visit cut
+  # short still has their ratios and launch counts; then the other real cases, and float32 for the targets.
+  # One process per case: a case that fails or runs out of time leaves the others' figures.
+  real_step gpt2-small-b16 bf16 90
+  real_step resnet18-b256 bf16 70
   for case in gpt2-small-b16 resnet18-b256; do
     step "profile at real size: kernels launched and device time per step, $case, bf16 (bench/step_profile.py)"
     within "step profile $case" 90 "$PY" bench/step_profile.py --device "$device" --case "$case" --autocast bf16 \
       --rounds "$rounds" "${reduced[@]}" > >(grep -v "^USDT:") 2>&1
+  done
+  for spec in bert-base-b32:bf16:70 gpt2-small-b32:bf16:100 resnet18-b1024:bf16:100 gpt2-small-b16:none:90 \
+    resnet18-b256:none:70; do
+    IFS=: read -r case precision limit <<<"$spec"
+    real_step "$case" "$precision" "$limit"
   done
   for case in mlp cnn transformer; do
     step "benchmark: one step, $case (dpvr bench step --device $device), as time allows"

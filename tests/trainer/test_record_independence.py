@@ -394,3 +394,56 @@ def test_synthetic_records_keep_shape_dtype_and_range_and_differ_from_a_constant
     assert float(drawn.max()) <= float(images.max()) and not torch.equal(drawn, _synthetic(model, images, 2))
     zeros = _synthetic(model, torch.zeros(8, 3), 0)
     assert float(zeros.abs().max()) > 0.1  # a constant probe: the range is widened, never the probe itself
+
+
+class _RoundsByBatchSize(nn.Module):
+    """Independent records whose outputs move with the batch's size at reduced precision only: a stand-in for
+    a GPU kernel that picks its algorithm (and so its rounding) by batch size under autocast or TF32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+        self.seen: list[tuple[bool, bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduced = (torch.is_autocast_enabled("cpu"), torch.backends.cuda.matmul.allow_tf32,
+                   torch.backends.cudnn.allow_tf32)
+        self.seen.append(reduced)
+        out = self.linear(x).float()
+        return out + 1e-2 * len(x) if any(reduced) else out
+
+
+@pytest.mark.parametrize("precision", ["autocast", "tf32"])
+def test_the_checks_run_in_exact_float32_and_leave_the_callers_precision_as_it_was(precision: str) -> None:
+    """Under the caller's autocast or TF32 a record's output in a batch and alone differ by rounding; the
+    checks test structure in exact float32, so an independent model is accepted (it was refused), and the
+    caller's settings are restored after."""
+    from dpvr.trainer.checks import check_model
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    x, y = _features().tensors
+    model = _RoundsByBatchSize()
+    try:
+        if precision == "tf32":
+            matmul.allow_tf32 = cudnn.allow_tf32 = True
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+            check_model(model, x[:16], y[:16], nn.CrossEntropyLoss())
+            assert torch.is_autocast_enabled("cpu") == (precision == "autocast")
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == ((True, True) if precision == "tf32" else saved)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+    assert model.seen == []  # the checks ran on a copy
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        if precision == "tf32":
+            matmul.allow_tf32 = True
+        try:
+            assert not torch.allclose(model(x[:4]), torch.cat([model(x[i : i + 1]) for i in range(4)]))
+        finally:
+            matmul.allow_tf32 = saved[0]
+
+
+def test_a_mixing_model_is_still_refused_under_the_callers_autocast() -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(ValueError, match="in evaluation mode, a record.s output depends on the other"):
+        dpvr.make_private(_CentredInEvaluation(), nn.CrossEntropyLoss(), _zero_features(), **COMMON)

@@ -477,7 +477,15 @@ def _opacus_hooks(model: nn.Module, case: Case) -> Callable[[], None] | str:
         return "opacus is not installed"
     try:
         module = GradSampleModule(ModuleValidator.fix(model), loss_reduction="mean")
-        optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA,
+        if case.autocast is not None:
+            # Under autocast Opacus sums bf16 per-sample gradients into a bf16 grad, which torch >= 2.9
+            # refuses on a float32 parameter unless the parameter accepts any gradient dtype (its workaround),
+            # and which SGD's multi-tensor (foreach) kernels refuse beside float32 parameters on CUDA.
+            for p in module.parameters():
+                if hasattr(p, "grad_dtype"):
+                    p.grad_dtype = None
+        inner = torch.optim.SGD(module.parameters(), lr=LR, foreach=None if case.autocast is None else False)
+        optimizer = DPOptimizer(inner, noise_multiplier=SIGMA,
                                 max_grad_norm=CLIP, expected_batch_size=case.batch, loss_reduction="mean")
         step = _training_step(module, case.criterion, optimizer, case)
         step()  # Opacus may refuse the model only when it runs

@@ -23,16 +23,23 @@ every layer. :func:`check_model` refuses a model that breaks one of them, naming
    ghost path fails it and materialised per-sample gradients (which differentiate each record alone, so
    any parameter use and any layout) pass, ``grad_mode="auto"`` falls back to them with a warning.
 
+Every pass runs in exact float32: autocast off and no TF32 in matrix products or convolutions, whatever the
+caller has enabled. The checks test structure (which records an output reads), and at reduced precision a
+record's output in a batch and alone already differ by rounding (cuDNN picks its algorithm by batch size:
+TF32 convolutions of a GroupNorm ResNet-18 differed by more than the checks' tolerance on a GPU), which
+would refuse an independent model. The training steps keep the caller's precision.
+
 Like every construction-time check these read a few private records (the probe); their errors are
 diagnostics for the data holder, not releases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -64,14 +71,31 @@ def check_model(
     inputs = as_inputs(inputs)
     refuse_invalid(model)
     probe = copy.deepcopy(model)
-    for training in (True, False):
-        probe.train(training)
-        _check_no_writes(probe, inputs[:8], training)
-    _check_independent(probe, inputs)
-    if loss is None or targets is None:
-        return grad_mode
-    probe.eval()
-    return _check_gradients(probe, loss, inputs, targets, grad_mode)
+    with exact_float32():
+        for training in (True, False):
+            probe.train(training)
+            _check_no_writes(probe, inputs[:8], training)
+        _check_independent(probe, inputs)
+        if loss is None or targets is None:
+            return grad_mode
+        probe.eval()
+        return _check_gradients(probe, loss, inputs, targets, grad_mode)
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """Autocast off on every device and TF32 off in CUDA matrix products and cuDNN convolutions, restored on
+    exit (the checks' precision: see the module documentation)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=False), torch.autocast("cuda", enabled=False), \
+                torch.autocast("cpu", enabled=False):
+            yield
+    finally:
+        matmul.allow_tf32 = saved
 
 
 # ---- 2. writes --------------------------------------------------------------------------------------------
