@@ -286,7 +286,10 @@ class TokenCrossEntropy(nn.Module):
         self.reduction = "mean"
 
     def forward(self, output: Tensor, target: Tensor) -> Tensor:
-        per_record = F.cross_entropy(output.transpose(1, 2), target, reduction="none").mean(dim=1)
+        # Class-last, as language models' own losses take it: a (B, V, T) layout puts the log-softmax on a
+        # strided dimension (on an H200 about 90 ms of GPT-2 small's B = 16 step under make_private's vmap)
+        tokens = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
+        per_record = tokens.view(target.shape).mean(dim=1)
         if self.reduction == "none":
             return per_record
         return per_record.sum() if self.reduction == "sum" else per_record.mean()
