@@ -11,6 +11,9 @@
 #                         first; then BERT-base T = 128 B = 32, GPT-2 B = 32 and ResNet-18 B = 1024 under bf16,
 #                         the two targets in float32; then, as time allows, the small MLP, CNN and transformer
 #                         cases and their profile
+#   bench/gpu.sh steps CASE:PRECISION...
+#                         a short rerun: the build, the host-sync test, and the named real cases' step
+#                         benchmarks only (e.g. gpt2-small-b16:bf16 resnet18-b256:none), each within 120 s
 #   bench/gpu.sh all      both, one after the other (planned to fit one 10-minute call: stage 1 about 80 s,
 #                         stage 2 at most BENCH_BUDGET seconds, default 420)
 #
@@ -35,6 +38,7 @@ LOGS="$BUILD/logs"
 mkdir -p "$OUT_DIR" "$LOGS"
 case "$STAGE" in
   check | bench) ;;
+  steps) shift; STEPS=("$@") ;;
   all)
     "$0" check
     first=$?
@@ -42,7 +46,7 @@ case "$STAGE" in
     second=$?
     exit $((first > second ? first : second))
     ;;
-  *) echo "usage: bench/gpu.sh check|bench|all" >&2; exit 2 ;;
+  *) echo "usage: bench/gpu.sh check|bench|all|steps CASE:PRECISION..." >&2; exit 2 ;;
 esac
 exec > >(tee "$OUT_DIR/gpu_$STAGE.log") 2>&1
 failures=()
@@ -120,7 +124,22 @@ sys.exit(0 if (staged or '$DRY' == '1') and b['cuda_compiled'] and (b['cuda_avai
   { failures+=("the staged CUDA build is not the dpvr imported, or does not see the GPU"); verdict; }
 export PYTHONUNBUFFERED=1
 
-if [ "$STAGE" = check ]; then
+if [ "$STAGE" = steps ]; then
+  step "the host-sync test (tests/lab/test_bench_step.py -m gpu)"
+  run "host-sync test" 60 "$PY" -m pytest -m gpu tests/lab/test_bench_step.py -q -p no:cacheprovider -rs \
+    >"$LOGS/steps_tests.log" 2>&1
+  tail -5 "$LOGS/steps_tests.log"
+  cli=("$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))')
+  device=cuda quick=(--quick) reduced=()
+  if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1) reduced=(--reduced); fi
+  for spec in "${STEPS[@]}"; do
+    IFS=: read -r case precision <<<"$spec"
+    step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
+    run "step benchmark $case $precision" 120 "${cli[@]}" bench step --device "$device" --case "$case" \
+      --autocast "$precision" --memory --one-process "${quick[@]}" "${reduced[@]}" \
+      --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
+  done
+elif [ "$STAGE" = check ]; then
   step "GPU tests (tests/ops/test_cuda.py, tests/lab/test_bench_step.py: tests marked gpu)"
   run "GPU tests" 150 "$PY" -m pytest -m gpu tests/ops/test_cuda.py tests/lab/test_bench_step.py -q -p no:cacheprovider -rs --durations=5 \
     >"$LOGS/tests.log" 2>&1
