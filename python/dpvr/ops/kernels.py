@@ -80,11 +80,15 @@ class _Call:
         self, a: Array, name: str, size: int | None = None, *, writable: bool = False, wide: bool = False
     ) -> tuple[int, int]:
         v = self.add(a, name, writable=writable, wide=wide)
-        if not v.is_contiguous():
+        if v.framework == "torch":  # torch's own answers, without a Python loop over the layout
+            contiguous, count = a.is_contiguous(), a.numel()
+        else:
+            contiguous, count = v.is_contiguous(), v.size
+        if not contiguous:
             raise ValueError(f"{name}: must be contiguous")
-        if size is not None and v.size != size:
-            raise ValueError(f"{name}: expected {size} elements, got {v.size} (shape {v.shape})")
-        return v.address, v.size
+        if size is not None and count != size:
+            raise ValueError(f"{name}: expected {size} elements, got {count} (shape {v.shape})")
+        return v.address, count
 
     def per_sample(self, a: Array | None, name: str, batch: int, *, writable: bool = False) -> int:
         if a is None:
