@@ -52,24 +52,41 @@ def _use_gram(steps: int, p: int, q: int, form: str) -> bool:
     return 0.5 * steps * (steps + 1) * (p + q) <= steps * (p * q + p + q)
 
 
+def _widened(pieces: Sequence[Tensor], rows: slice) -> Tensor:
+    """The samples ``rows`` of ``(B, w)`` or ``(B, K_j, w)`` pieces as one float64 ``(b, sum K_j, w)``
+    tensor, each piece widened straight into its steps (the values of their float64 concatenation, in one
+    pass: no float64 copy of the whole batch, no second copy to join them)."""
+    steps = [t.unsqueeze(1) if t.dim() == 2 else t for t in pieces]
+    first = steps[0][rows]
+    out = torch.empty(first.shape[0], sum(t.shape[1] for t in steps), first.shape[2], dtype=torch.float64,
+                      device=first.device)
+    start = 0
+    for t in steps:
+        out[:, start : start + t.shape[1]].copy_(t[rows])
+        start += t.shape[1]
+    return out
+
+
 def _outer(part: Outer, form: str) -> tuple[Tensor, Tensor, float]:
-    m = torch.cat([_sequence(m) for m, _ in part.pieces], dim=1)
-    n = torch.cat([_sequence(n) for _, n in part.pieces], dim=1)
-    batch, steps, p = m.shape
-    q = n.shape[-1]
+    ms, ns = [m for m, _ in part.pieces], [n for _, n in part.pieces]
+    batch, p, q = ms[0].shape[0], ms[0].shape[-1], ns[0].shape[-1]
+    steps = sum(1 if m.dim() == 2 else m.shape[1] for m in ms)
+    widened = steps * (p + q)  # a sample's float64 steps, formed a chunk of samples at a time
     if _use_gram(steps, p, q, form):
         def gram(s: slice) -> tuple[Tensor, Tensor]:
-            mm, gg = m[s] @ m[s].transpose(1, 2), n[s] @ n[s].transpose(1, 2)
+            m, n = _widened(ms, s), _widened(ns, s)
+            mm, gg = m @ m.transpose(1, 2), n @ n.transpose(1, 2)
             r = (mm.diagonal(dim1=1, dim2=2).sqrt() * gg.diagonal(dim1=1, dim2=2).sqrt()).sum(dim=1)
             return (mm * gg).sum(dim=(1, 2)), r
-        sumsq, r = _chunked(batch, 2 * steps * steps, gram)
+        sumsq, r = _chunked(batch, 2 * steps * steps + widened, gram)
         return sumsq, r * r, float(p + q + steps * steps)
 
     def direct(s: slice) -> tuple[Tensor, Tensor]:
-        u = n[s].transpose(1, 2) @ m[s]  # (B, q, p): the per-sample matrices themselves
-        r = ((m[s] * m[s]).sum(dim=2).sqrt() * (n[s] * n[s]).sum(dim=2).sqrt()).sum(dim=1)
+        m, n = _widened(ms, s), _widened(ns, s)
+        u = n.transpose(1, 2) @ m  # (b, q, p): the per-sample matrices themselves
+        r = ((m * m).sum(dim=2).sqrt() * (n * n).sum(dim=2).sqrt()).sum(dim=1)
         return (u * u).sum(dim=(1, 2)), r
-    sumsq, r = _chunked(batch, p * q, direct)
+    sumsq, r = _chunked(batch, p * q + widened, direct)
     return sumsq, r * r, float(2 * steps + p * q)
 
 
