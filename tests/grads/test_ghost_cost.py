@@ -241,6 +241,32 @@ def test_the_chunked_form_streams_samples_with_the_same_result(monkeypatch) -> N
         torch.testing.assert_close(s, w, rtol=1e-14, atol=1e-18)
 
 
+def test_the_torch_forms_widen_a_chunk_of_samples_at_a_time_with_the_same_values(monkeypatch) -> None:
+    """A difference's pieces (one of them step-less) widened chunk by chunk give, bit for bit, what the
+    float64 concatenation of all samples gives, and each norm is the float64 norm of the per-sample matrix
+    within its bound."""
+    from dpvr.grads.ghost import norms
+    from dpvr.grads.ghost.rules import Outer
+
+    torch.manual_seed(11)
+    b, t, p, q = 6, 5, 7, 4
+    pieces = [(torch.randn(b, t, p), torch.randn(b, t, q)), (torch.randn(b, p), -torch.randn(b, q)),
+              (torch.randn(b, 2, p), torch.randn(b, 2, q))]
+    part = Outer(pieces)
+    m = torch.cat([x.double().reshape(b, -1, p) for x, _ in pieces], dim=1)
+    n = torch.cat([y.double().reshape(b, -1, q) for _, y in pieces], dim=1)
+    assert torch.equal(norms._widened([x for x, _ in pieces], slice(1, 4)), m[1:4])
+    exact = (n.transpose(1, 2) @ m).square().sum(dim=(1, 2))
+    for form in ("direct", "gram"):
+        whole = norms._outer(part, form)
+        monkeypatch.setattr(norms, "_MAX_SCRATCH", 1)  # one sample a chunk
+        streamed = norms._outer(part, form)
+        monkeypatch.undo()
+        assert all(torch.equal(a, c) for a, c in zip(whole[:2], streamed[:2])) and whole[2] == streamed[2]
+        sumsq, r2, chain = whole
+        assert bool(((sumsq - exact).abs() <= 2.0 * (chain + 8.0) * norms.U64 * r2).all())
+
+
 class TwoMaps(nn.Module):
     def __init__(self) -> None:
         super().__init__()
