@@ -406,44 +406,80 @@ class _RoundsByBatchSize(nn.Module):
         self.seen: list[tuple[bool, bool, bool]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduced = (torch.is_autocast_enabled("cpu"), torch.backends.cuda.matmul.allow_tf32,
+        reduced = (torch.is_autocast_enabled("cpu"), torch.get_float32_matmul_precision() != "highest",
                    torch.backends.cudnn.allow_tf32)
         self.seen.append(reduced)
         out = self.linear(x).float()
         return out + 1e-2 * len(x) if any(reduced) else out
 
 
-@pytest.mark.parametrize("precision", ["autocast", "tf32"])
+@pytest.mark.parametrize("precision", ["autocast", "tf32", "medium"])
 def test_the_checks_run_in_exact_float32_and_leave_the_callers_precision_as_it_was(precision: str) -> None:
-    """Under the caller's autocast or TF32 a record's output in a batch and alone differ by rounding; the
-    checks test structure in exact float32, so an independent model is accepted (it was refused), and the
-    caller's settings are restored after."""
+    """Under the caller's autocast, TF32 or bfloat16 matmul passes a record's output in a batch and alone
+    differ by rounding; the checks test structure in exact float32, so an independent model is accepted (it
+    was refused), and the caller's settings are restored after, exactly."""
     from dpvr.trainer.checks import check_model
 
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32
+    saved = torch.get_float32_matmul_precision(), cudnn.allow_tf32
     x, y = _features().tensors
     model = _RoundsByBatchSize()
     try:
         if precision == "tf32":
             matmul.allow_tf32 = cudnn.allow_tf32 = True
+        if precision == "medium":
+            torch.set_float32_matmul_precision("medium")
+        before = torch.get_float32_matmul_precision(), cudnn.allow_tf32
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
             check_model(model, x[:16], y[:16], nn.CrossEntropyLoss())
             assert torch.is_autocast_enabled("cpu") == (precision == "autocast")
-        assert (matmul.allow_tf32, cudnn.allow_tf32) == ((True, True) if precision == "tf32" else saved)
+        assert (torch.get_float32_matmul_precision(), cudnn.allow_tf32) == before
     finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
+        torch.set_float32_matmul_precision(saved[0])
+        cudnn.allow_tf32 = saved[1]
     assert model.seen == []  # the checks ran on a copy
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
-        if precision == "tf32":
-            matmul.allow_tf32 = True
+        if precision != "autocast":
+            torch.set_float32_matmul_precision("high" if precision == "tf32" else "medium")
         try:
             assert not torch.allclose(model(x[:4]), torch.cat([model(x[i : i + 1]) for i in range(4)]))
         finally:
-            matmul.allow_tf32 = saved[0]
+            torch.set_float32_matmul_precision(saved[0])
 
 
 def test_a_mixing_model_is_still_refused_under_the_callers_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), \
             pytest.raises(ValueError, match="in evaluation mode, a record.s output depends on the other"):
         dpvr.make_private(_CentredInEvaluation(), nn.CrossEntropyLoss(), _zero_features(), **COMMON)
+
+
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch < 2.9: no such settings")
+def test_the_checks_and_the_rounding_bounds_read_torchs_per_backend_precision_settings() -> None:
+    """A caller on torch's per-backend precision settings (which make torch refuse its legacy getters): the
+    checks set and restore those, and a run's rounding bound reads them (TF32's unit), instead of failing."""
+    from dpvr.grads.ghost.norms import reduced_precision_unit
+    from dpvr.trainer.checks import exact_float32
+
+    b = torch.backends
+    knobs = [b.cuda.matmul, b.cudnn.conv, b.mkldnn.matmul, b.mkldnn.conv]
+    saved = [b.fp32_precision, *(k.fp32_precision for k in knobs)]
+    try:
+        b.fp32_precision = b.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()  # torch refuses the legacy getter in this state
+        before = [k.fp32_precision for k in knobs]
+        assert reduced_precision_unit(False, torch.device("cpu")) == 2.0 ** -11
+        with exact_float32():
+            assert [k.fp32_precision for k in knobs] == ["ieee"] * 4
+            assert reduced_precision_unit(True, torch.device("cuda")) == 0.0
+        assert [k.fp32_precision for k in knobs] == before
+        b.mkldnn.matmul.fp32_precision = "bf16"
+        assert reduced_precision_unit(False, torch.device("cpu")) == 2.0 ** -8
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        trainer = dpvr.make_private(model, nn.CrossEntropyLoss(), _features(), **COMMON)
+        trainer.step()
+    finally:
+        b.fp32_precision = saved[0]
+        for k, value in zip(knobs, saved[1:]):
+            k.fp32_precision = value

@@ -84,18 +84,36 @@ def check_model(
 
 @contextlib.contextmanager
 def exact_float32() -> Iterator[None]:
-    """Autocast off on every device and TF32 off in CUDA matrix products and cuDNN convolutions, restored on
-    exit (the checks' precision: see the module documentation)."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32
-    matmul.allow_tf32 = False
+    """Autocast off on every device, float32 matrix products at full precision (no TF32 or bfloat16 passes)
+    and no TF32 in cuDNN convolutions; the caller's settings restored on exit, exactly (the checks'
+    precision: see the module documentation). Set through torch's legacy settings, or through its
+    per-backend ones (``torch.backends.*.fp32_precision``, torch 2.9 on) where the caller uses those (torch
+    then refuses the legacy getters)."""
+    cudnn = torch.backends.cudnn
     try:
-        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                         allow_tf32=False), torch.autocast("cuda", enabled=False), \
-                torch.autocast("cpu", enabled=False):
+        saved: str | list[str] = torch.get_float32_matmul_precision()
+        settings: list = []
+    except RuntimeError:
+        backends = torch.backends
+        settings = [backends.cuda.matmul, backends.cudnn.conv, backends.mkldnn.matmul, backends.mkldnn.conv]
+        saved = [b.fp32_precision for b in settings]
+    try:
+        if settings:
+            for b in settings:
+                b.fp32_precision = "ieee"
+            legacy_conv = contextlib.nullcontext()
+        else:
+            torch.set_float32_matmul_precision("highest")
+            legacy_conv = cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                                      deterministic=cudnn.deterministic, allow_tf32=False)
+        with legacy_conv, torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             yield
     finally:
-        matmul.allow_tf32 = saved
+        if settings:
+            for b, value in zip(settings, saved):
+                b.fp32_precision = value
+        else:
+            torch.set_float32_matmul_precision(saved)
 
 
 # ---- 2. writes --------------------------------------------------------------------------------------------

@@ -423,12 +423,27 @@ def with_cross_terms(norms_sq: Tensor, parts: Sequence[Part | Tied]) -> Tensor:
 def reduced_precision_unit(conv: bool, device: torch.device) -> float:
     """The unit roundoff to which torch may round the inputs of float32 products in a matmul (``conv``: in a
     convolution on ``device``) under its reduced-precision settings: TF32 (``2^-11``), bfloat16 (``2^-8``),
-    or 0 in full precision."""
-    precision = torch.get_float32_matmul_precision()
+    or 0 in full precision. Where torch (2.9 on) refuses its legacy getters because its per-backend
+    settings (``torch.backends.*.fp32_precision``) were used, those are read instead, every backend's matmul
+    and convolution setting counted (an upper bound whatever backend runs the product)."""
+    try:
+        precision = torch.get_float32_matmul_precision()
+        tf32_conv = conv and device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        backends = torch.backends
+        settings = [backends.cuda.matmul.fp32_precision, backends.mkldnn.matmul.fp32_precision]
+        if conv:
+            settings += [backends.cudnn.conv.fp32_precision, backends.mkldnn.conv.fp32_precision]
+        return max(_precision_unit(s, backends.fp32_precision) for s in settings)
     unit = 0.0 if precision == "highest" else 2.0 ** -11 if precision == "high" else 2.0 ** -8
-    if conv and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
-        unit = max(unit, 2.0 ** -11)
-    return unit
+    return max(unit, 2.0 ** -11) if tf32_conv else unit
+
+
+def _precision_unit(setting: str, inherited: str) -> float:
+    """The unit of one ``fp32_precision`` setting (``"none"``: the inherited one); an unknown name counts as
+    bfloat16's, the coarsest torch offers."""
+    value = inherited if setting == "none" else setting
+    return {"ieee": 0.0, "none": 0.0, "tf32": 2.0 ** -11, "bf16": 2.0 ** -8}.get(value, 2.0 ** -8)
 
 
 def write_error(parts: Sequence[tuple[int, Part | Tied]], batch: int, dtype: torch.dtype,
