@@ -124,20 +124,40 @@ sys.exit(0 if (staged or '$DRY' == '1') and b['cuda_compiled'] and (b['cuda_avai
   { failures+=("the staged CUDA build is not the dpvr imported, or does not see the GPU"); verdict; }
 export PYTHONUNBUFFERED=1
 
+# The benchmark stages' machinery (bench, steps).
+cli=("$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))')
+device=cuda quick=(--quick) reduced=()
+if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1) reduced=(--reduced); fi
+# Seconds for a stage, from its start. A dry run on a shared CPU is slower than the device and must reach
+# every code path: there the budget and each limit are four times larger.
+slow=1
+if [ "$DRY" = 1 ]; then slow=4; fi
+budget="${BENCH_BUDGET:-$((420 * slow))}"
+left() { echo $((budget - (SECONDS - started))); }
+within() {  # within NAME SECONDS COMMAND...: run it with at most what the budget has left
+  local name=$1 limit=$(($2 * slow)) rest
+  shift 2
+  rest=$(left)
+  if [ "$rest" -lt 20 ]; then echo "not run: the stage's budget (${budget}s) is spent: $name"; return 0; fi
+  run "$name" "$((limit < rest ? limit : rest))" "$@"
+}
+real_step() {  # real_step CASE PRECISION SECONDS: one real case's step benchmark
+  local case=$1 precision=$2 limit=$3
+  step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
+  # --one-process: a process per method would spend the device's minutes starting CUDA six times a case
+  within "step benchmark $case $precision" "$limit" "${cli[@]}" bench step --device "$device" --case "$case" \
+    --autocast "$precision" --memory --one-process "${quick[@]}" "${reduced[@]}" \
+    --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
+}
+
 if [ "$STAGE" = steps ]; then
   step "the host-sync test (tests/lab/test_bench_step.py -m gpu)"
   run "host-sync test" 60 "$PY" -m pytest -m gpu tests/lab/test_bench_step.py -q -p no:cacheprovider -rs \
     >"$LOGS/steps_tests.log" 2>&1
   tail -5 "$LOGS/steps_tests.log"
-  cli=("$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))')
-  device=cuda quick=(--quick) reduced=()
-  if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1) reduced=(--reduced); fi
   for spec in "${STEPS[@]}"; do
     IFS=: read -r case precision <<<"$spec"
-    step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
-    run "step benchmark $case $precision" 120 "${cli[@]}" bench step --device "$device" --case "$case" \
-      --autocast "$precision" --memory --one-process "${quick[@]}" "${reduced[@]}" \
-      --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
+    real_step "$case" "$precision" 120
   done
 elif [ "$STAGE" = check ]; then
   step "GPU tests (tests/ops/test_cuda.py, tests/lab/test_bench_step.py: tests marked gpu)"
@@ -165,38 +185,14 @@ elif [ "$STAGE" = check ]; then
     done
   fi
 else
-  cli=("$PY" -c 'import sys; from dpvr.cli import main; sys.exit(main(sys.argv[1:]))')
   step "benchmark: the kernels (dpvr bench kernels --device cuda)"
   if [ "$DRY" = 1 ]; then
     run "kernel benchmark (import)" 60 "$PY" -c "from dpvr_lab.bench import cuda_kernels; print(cuda_kernels.markdown([]))"
   else
     run "kernel benchmark" 120 "${cli[@]}" bench kernels --device cuda --json "$OUT_DIR/bench_kernels_cuda.json"
   fi
-  device=cuda quick=(--quick) reduced=()
-  if [ "$DRY" = 1 ]; then device=cpu quick=(--quick --repeats 1) reduced=(--reduced); fi
-  # Seconds for this stage, from its start. A dry run on a shared CPU is slower than the device and must
-  # reach every code path: there the budget and each limit are four times larger.
-  slow=1
-  if [ "$DRY" = 1 ]; then slow=4; fi
-  budget="${BENCH_BUDGET:-$((420 * slow))}"
-  left() { echo $((budget - (SECONDS - started))); }
-  within() {  # within NAME SECONDS COMMAND...: run it with at most what the budget has left
-    local name=$1 limit=$(($2 * slow)) rest
-    shift 2
-    rest=$(left)
-    if [ "$rest" -lt 20 ]; then echo "not run: the stage's budget (${budget}s) is spent: $name"; return 0; fi
-    run "$name" "$((limit < rest ? limit : rest))" "$@"
-  }
   "$PY" -c "import transformers" 2>/dev/null ||
     echo "transformers is missing: the GPT-2 and BERT cases will fail (bench/gpu_wheels.sh carries it)"
-  real_step() {  # real_step CASE PRECISION SECONDS: one real case's step benchmark
-    local case=$1 precision=$2 limit=$3
-    step "benchmark: one step at real size, $case, autocast $precision (dpvr bench step --device $device)"
-    # --one-process: a process per method would spend the device's minutes starting CUDA six times a case
-    within "step benchmark $case $precision" "$limit" "${cli[@]}" bench step --device "$device" --case "$case" \
-      --autocast "$precision" --memory --one-process "${quick[@]}" "${reduced[@]}" \
-      --json "$OUT_DIR/bench_step_real_${case}_${precision}_$device.json"
-  }
   rounds=3
   if [ "$DRY" = 1 ]; then rounds=1; fi
   # The two target cases under bf16 autocast (as users train) and their profiles first, so that a visit cut

@@ -28,11 +28,6 @@ SCRATCH_ENTRIES = 1 << 24  # float64 entries of one chunk's per-sample matrices 
 _MAX_SCRATCH = SCRATCH_ENTRIES
 
 
-def _sequence(t: Tensor) -> Tensor:
-    """A ``(B, w)`` or ``(B, T, w)`` piece as float64 ``(B, T, w)``."""
-    return (t.unsqueeze(1) if t.dim() == 2 else t).to(torch.float64)
-
-
 def _chunked(batch: int, per_sample: int,
              fn: Callable[[slice], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """``fn`` over slices of the samples, so that at most ``_MAX_SCRATCH`` scratch entries live at once."""
@@ -94,7 +89,7 @@ def _rows(part: Rows) -> tuple[Tensor, Tensor, float]:
     if part.unique:  # coalesced: one entry per key, and zeros
         return _dense(Dense(part.flat()))
     keys = torch.cat([k.reshape(k.shape[0], -1) for k, _ in part.pieces], dim=1)
-    n = torch.cat([_sequence(n) for _, n in part.pieces], dim=1)
+    n = _widened([n for _, n in part.pieces], slice(None))
     if part.skip is not None:
         n = n.masked_fill((keys == part.skip).unsqueeze(-1), 0)
     batch, steps, q = n.shape
